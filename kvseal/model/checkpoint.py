@@ -1,0 +1,88 @@
+"""What a loaded checkpoint is, independent of its file format (GGUF or Hugging Face folder)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from kvseal.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Architecture hyper-parameters of a Llama-family decoder (Llama, Qwen2, SmolLM)."""
+
+    family: str  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    max_position: int  # the model's own context window
+    tie_embeddings: bool
+    attention_bias: bool  # Qwen2: q/k/v projections carry a bias
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # HF rope_scaling dict as sorted items
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelArch.{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def kv_bytes_per_token_fp32(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint loaded into memory.
+
+    weights use Hugging Face names and layouts (q/k in rotate-half order, Linear weights [out, in]):
+      model.embed_tokens.weight                      (vocab, hidden)
+      model.layers.{i}.input_layernorm.weight        (hidden,)
+      model.layers.{i}.self_attn.{q,k,v,o}_proj.weight, q/k/v .bias when arch.attention_bias
+      model.layers.{i}.post_attention_layernorm.weight
+      model.layers.{i}.mlp.{gate,up,down}_proj.weight
+      model.norm.weight
+      lm_head.weight                                 absent when arch.tie_embeddings
+    All tensors are float32 on the CPU; the model casts them to its dtype/device.
+    """
+
+    arch: ModelArch
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    name: str  # a display name (e.g. "SmolLM2-135M-Instruct")
+    source: str  # the path it was loaded from
+    fingerprint: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.fingerprint:
+            self.fingerprint = weights_fingerprint(self.weights)
+
+
+def weights_fingerprint(weights: dict[str, torch.Tensor]) -> str:
+    """A stable hash of the weights: names, shapes, dtypes and every byte, in sorted name order.
+
+    Two workers that agree on this hash compute the same KV for the same tokens (seal 7).
+    """
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(str(t.dtype).encode())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return "sha256:" + h.hexdigest()[:32]
