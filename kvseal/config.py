@@ -1,0 +1,84 @@
+"""Frozen configuration, one dataclass per concern, validated on construction.
+
+Every error names the field, the value and the fix. Nothing mutates a config after it is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _need(cond: bool, field: str, value: object, fix: str) -> None:
+    if not cond:
+        raise ValueError(f"invalid {field}={value!r}: {fix}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "float32"
+    device: str = "auto"  # "auto" -> cuda when present, else cpu
+    max_model_len: int | None = None  # cap on the served context window
+    served_name: str | None = None  # the id in /v1/models; default: the checkpoint's name
+
+    def __post_init__(self) -> None:
+        _need(self.dtype in _DTYPES, "dtype", self.dtype, f"use one of {', '.join(_DTYPES)}")
+        _need(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", self.device,
+              "use auto, cpu or cuda[:N]")
+        _need(self.max_model_len is None or self.max_model_len > 0, "max_model_len", self.max_model_len,
+              "give a positive number of tokens")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16  # tokens per page
+    pool_tokens: int | None = None  # KV pool size in tokens (rounded down to whole pages)
+    pool_bytes: int | None = None  # or in bytes; at most one of the two; neither -> the context window x 4
+    scrub: bool = True  # zero pages before they return to the free list (seal 6)
+
+    def __post_init__(self) -> None:
+        _need(0 < self.page_size <= 1024 and self.page_size & (self.page_size - 1) == 0, "page_size",
+              self.page_size, "give a power of two between 1 and 1024")
+        _need(self.pool_tokens is None or self.pool_bytes is None, "pool_tokens/pool_bytes",
+              (self.pool_tokens, self.pool_bytes), "set the pool in tokens or in bytes, not both")
+        _need(self.pool_tokens is None or self.pool_tokens >= self.page_size, "pool_tokens",
+              self.pool_tokens, f"give at least one page ({self.page_size} tokens)")
+        _need(self.pool_bytes is None or self.pool_bytes > 0, "pool_bytes", self.pool_bytes,
+              "give a positive number of bytes")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences in one batch
+    max_num_batched_tokens: int = 512  # per-step token budget; long prompts are prefilled in chunks
+    max_waiting: int = 1024  # queued requests beyond this get 503 at once
+    wait_timeout_s: float = 60.0  # a request that waits this long for pages gets 503
+
+    def __post_init__(self) -> None:
+        _need(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "give a positive number")
+        _need(self.max_num_batched_tokens >= 16, "max_num_batched_tokens", self.max_num_batched_tokens,
+              "give at least 16 tokens")
+        _need(self.max_waiting > 0, "max_waiting", self.max_waiting, "give a positive number")
+        _need(self.wait_timeout_s > 0, "wait_timeout_s", self.wait_timeout_s, "give a positive number")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    api_keys: tuple[str, ...] = ()  # empty: no auth
+
+    def __post_init__(self) -> None:
+        _need(0 <= self.port < 65536, "port", self.port, "give a TCP port 0-65535")
+        _need(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "give a positive size")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    seed: int = 0

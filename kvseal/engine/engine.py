@@ -1,0 +1,223 @@
+"""The engine: requests in, token deltas out, one step at a time. Single-threaded by design.
+
+Every request that enters through add_request() leaves through exactly one final GenerateDelta (seal 1),
+emitted only after its pages were scrubbed and freed (seals 6 and 8).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import msgspec
+import torch
+
+from kvseal.config import EngineConfig
+from kvseal.engine.messages import GenerateDelta, GenerateRequest, TokenLogprob
+from kvseal.engine.runner import ModelRunner
+from kvseal.engine.sampling import sample
+from kvseal.engine.scheduler import Scheduler
+from kvseal.engine.sequence import Sequence
+from kvseal.errors import (ContextLengthExceeded, InvalidRequest, KvsealError, Overloaded,
+                           PageOwnershipViolation, RequestAborted)
+from kvseal.kv.allocator import PageAllocator
+from kvseal.kv.pool import KVPool, pool_num_pages
+from kvseal.lifecycle import FinishReason, State
+from kvseal.model.checkpoint import Checkpoint
+from kvseal.model.llama import LlamaModel
+from kvseal.model.loader import load_checkpoint
+from kvseal.model.detokenize import IncrementalDecoder
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, ckpt: Checkpoint | None = None, role: str = "unified") -> None:
+        self.cfg, self.role = cfg, role
+        ckpt = ckpt if ckpt is not None else load_checkpoint(cfg.model.path)
+        self.ckpt_name, self.fingerprint, self.tokenizer = ckpt.name, ckpt.fingerprint, ckpt.tokenizer
+        self.arch = arch = ckpt.arch
+        self.device = resolve_device(cfg.model.device)
+        self.dtype = _DTYPES[cfg.model.dtype]
+        self.model = LlamaModel(ckpt, self.dtype, self.device)
+        model_window = min(arch.max_position, cfg.model.max_model_len or arch.max_position)
+        num_pages = pool_num_pages(arch, cfg.cache, self.dtype, default_tokens=2 * model_window)
+        self.pool = KVPool(arch, num_pages, cfg.cache.page_size, self.dtype, self.device)
+        self.allocator = PageAllocator(num_pages, scrubber=self.pool.scrub if cfg.cache.scrub else None)
+        # The served window: what the model supports, the operator allows, and the pool can hold.
+        self.context_window = min(model_window, self.pool.capacity_tokens)
+        self.scheduler = Scheduler(cfg.scheduler, self.allocator, cfg.cache.page_size)
+        self.runner = ModelRunner(self.model, self.pool, self.allocator)
+        self.seqs: dict[str, Sequence] = {}
+        self._out: list[GenerateDelta] = []
+        self._rng = torch.Generator().manual_seed(cfg.seed)
+
+    # -- what this engine is -------------------------------------------------------------------------
+    def info(self) -> dict[str, object]:
+        return {
+            "role": self.role,
+            "model": self.ckpt_name,
+            "model_fingerprint": self.fingerprint,
+            "context_window": self.context_window,
+            "model_max_position": self.arch.max_position,
+            "pool_tokens": self.pool.capacity_tokens,
+            "pool_pages": self.pool.num_pages,
+            "free_pages": self.allocator.num_free,
+            "page_size": self.pool.page_size,
+            "kv_dtype": str(self.dtype).removeprefix("torch."),
+            "kv_layout": f"L{self.arch.num_layers}xPxSx{self.arch.num_kv_heads}x{self.arch.head_dim}",
+            "kv_bytes_per_token": self.pool.bytes_per_token,
+            "kv_scrub": self.cfg.cache.scrub,
+            "device": str(self.device),
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+        }
+
+    def has_work(self) -> bool:
+        return bool(self.seqs) or bool(self._out)
+
+    # -- requests ------------------------------------------------------------------------------------
+    def validate(self, num_prompt: int, max_tokens: int) -> None:
+        if num_prompt == 0:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if num_prompt + max_tokens > self.context_window:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.context_window} tokens. However, you "
+                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in "
+                f"the completion). Please reduce the length of the messages or completion.",
+                param="messages",
+            )
+
+    def add_request(self, req: GenerateRequest) -> None:
+        gen = None
+        if not req.params.greedy:
+            seed = req.params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._rng).item())
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+        seq = Sequence(req, self.allocator.new_owner(), IncrementalDecoder(self.tokenizer), gen)
+        try:
+            if req.request_id in self.seqs:
+                raise InvalidRequest(f"request id {req.request_id!r} is already in use")
+            self.validate(len(req.prompt_ids), req.params.max_tokens)
+            if len(self.scheduler.waiting) >= self.cfg.scheduler.max_waiting:
+                raise Overloaded("the server is overloaded: too many queued requests; retry later")
+            if any(t < 0 or t >= self.arch.vocab_size for t in req.prompt_ids):
+                raise InvalidRequest("a prompt token id is outside the vocabulary", param="prompt")
+        except KvsealError as err:
+            seq.life.reject(err)
+            self._out.append(self._final(seq))
+            return
+        seq.life.advance(State.ADMITTED)
+        self.seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str, cause: KvsealError | None = None) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return
+        self._end(seq, lambda: seq.life.abort(cause or RequestAborted(f"request {request_id} was aborted")))
+
+    def fail_all(self, error: KvsealError) -> list[GenerateDelta]:
+        """After an internal fault: end every live request FAILED with `error`, pages freed."""
+        for seq in list(self.seqs.values()):
+            self._end(seq, lambda s=seq: s.life.fail(error))
+        out, self._out = self._out, []
+        return out
+
+    # -- one step ------------------------------------------------------------------------------------
+    def step(self) -> list[GenerateDelta]:
+        now = time.monotonic()
+        for seq in self.scheduler.expired(now):
+            self._end(seq, lambda s=seq: s.life.reject(Overloaded(
+                f"no KV pages became free within {self.cfg.scheduler.wait_timeout_s:g}s; retry later")))
+        batch, preempted = self.scheduler.schedule()
+        for seq in preempted:
+            seq.life.advance(State.ADMITTED)
+        for seq in batch.seqs:
+            if seq.life.state is State.ADMITTED:
+                seq.life.advance(State.PREFILLING)
+        if batch.seqs:
+            result = self.runner.run(batch)
+            for seq in result.violations:
+                self._end(seq, lambda s=seq: s.life.fail(PageOwnershipViolation(
+                    f"request {s.request_id}: its page table names pages it does not own; no output")))
+            if result.logits is not None:
+                tokens, lps = sample(result.logits, [s.params for s in result.sampled],
+                                     [s.generator for s in result.sampled])
+                for seq, tok, lp in zip(result.sampled, tokens, lps):
+                    self._append(seq, tok, lp)
+        out, self._out = self._out, []
+        return out
+
+    def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> None:
+        if seq.life.state is State.PREFILLING:
+            seq.life.advance(State.DECODING)
+        p = seq.params
+        seq.output_ids.append(tok)
+        if lp is not None:
+            seq.pending_logprobs.append(lp)
+        n_out = len(seq.output_ids)
+        reason: FinishReason | None = None
+        stop_token = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.eos_ids)
+        if stop_token and n_out > p.min_tokens:
+            reason = FinishReason.STOP
+        else:
+            seq.text += seq.decoder.feed(tok)
+            if p.stop and n_out > p.min_tokens:
+                longest = max(len(s) for s in p.stop)
+                lo = max(0, seq.sent_chars - longest)
+                hits = [i for i in (seq.text.find(s, lo) for s in p.stop) if i >= 0]
+                if hits:
+                    seq.text = seq.text[: min(hits)]
+                    reason = FinishReason.STOP
+        if reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.context_window):
+            reason = FinishReason.LENGTH
+            seq.text += seq.decoder.flush()
+        if reason is None:
+            hold = max((len(s) for s in p.stop), default=1) - 1  # a stop string may still be forming
+            self._out.append(self._delta(seq, len(seq.text) - hold))
+        else:
+            self._end(seq, lambda: seq.life.finish(reason))
+
+    def _end(self, seq: Sequence, terminate: Callable[[], bool]) -> None:
+        """Move seq to a terminal state, free (and scrub) its pages, then emit its one final delta."""
+        if not terminate():
+            return
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.request_id, None)
+        self._out.append(self._final(seq))
+
+    def _delta(self, seq: Sequence, upto: int) -> GenerateDelta:
+        upto = max(upto, seq.sent_chars)
+        text, seq.sent_chars = seq.text[seq.sent_chars : upto], upto
+        toks, seq.sent_tokens = seq.output_ids[seq.sent_tokens :], len(seq.output_ids)
+        lps, seq.pending_logprobs = (seq.pending_logprobs or None), []
+        return GenerateDelta(seq.request_id, toks, text, lps, prompt_tokens=len(seq.prompt_ids),
+                             completion_tokens=len(seq.output_ids))
+
+    def _final(self, seq: Sequence) -> GenerateDelta:
+        outcome = seq.life.outcome
+        assert outcome is not None
+        d = self._delta(seq, len(seq.text))
+        match outcome.state:
+            case State.FINISHED:
+                assert outcome.finish_reason is not None
+                return _with(d, final=outcome.finish_reason.value)
+            case State.REJECTED | State.ABORTED | State.FAILED:
+                assert outcome.error is not None
+                return _with(d, final=outcome.state.value, error=outcome.error.to_info())
+            case _:
+                raise AssertionError(f"{seq.request_id}: final delta for non-terminal {outcome.state}")
+
+
+def _with(d: GenerateDelta, **kw: object) -> GenerateDelta:
+    return msgspec.structs.replace(d, **kw)

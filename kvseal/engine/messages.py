@@ -1,0 +1,61 @@
+"""Typed, versioned messages between the API and an engine (in-process or over the wire).
+
+msgspec Structs: encoded as msgpack on the wire, never pickled. `v` is the schema version; a peer that
+receives a version it does not know refuses the message.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvseal.errors import ErrorInfo
+
+SCHEMA_VERSION = 1
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    max_tokens: int
+    temperature: float = 1.0  # 0 -> greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 -> off
+    seed: int | None = None  # same seed, same output
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob and the top k
+    min_tokens: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class GenerateRequest(msgspec.Struct, frozen=True):
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tenant: str = ""  # the API key (or "") that owns this request; caches are keyed by it (seal 9)
+    v: int = SCHEMA_VERSION
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []  # the top-k alternatives, best first
+
+
+class GenerateDelta(msgspec.Struct, frozen=True):
+    """New output of one request. The last delta of a request has `final` set, and only that one.
+
+    final is "stop" or "length" (FINISHED) or "rejected"/"aborted"/"failed" with `error` set.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    final: str | None = None
+    error: ErrorInfo | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    v: int = SCHEMA_VERSION

@@ -1,0 +1,97 @@
+"""Batch -> tensors -> forward -> logits. The ownership check of seal 5 happens here, before the forward.
+
+For each scheduled sequence the runner feeds tokens [num_computed, num_computed + n) and writes their KV
+into the sequence's own pages. A sequence whose page table is not owned by it (owner key and epoch, in the
+allocator's owner array) is dropped from the batch before any KV is read, and reported back as violating.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvseal.engine.scheduler import Batch
+from kvseal.engine.sequence import Sequence
+from kvseal.kv.allocator import PageAllocator
+from kvseal.kv.pool import KVPool
+from kvseal.model.attention import AttentionMeta, PrefillSpan
+from kvseal.model.llama import LlamaModel
+
+
+@dataclass
+class StepResult:
+    sampled: list[Sequence]  # sequences whose next token is due, in logits row order
+    logits: torch.Tensor | None  # (len(sampled), V) float32
+    violations: list[Sequence]  # failed the ownership check; nothing was computed for them
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: KVPool, allocator: PageAllocator) -> None:
+        self.model, self.pool, self.allocator = model, pool, allocator
+        self.device = pool.k.device
+
+    def check_ownership(self, batch: Batch) -> list[Sequence]:
+        return [s for s in batch.seqs if not self.allocator.owns(s.owner, s.pages)]
+
+    def run(self, batch: Batch) -> StepResult:
+        violations = self.check_ownership(batch)
+        bad = {id(s) for s in violations}
+        seqs = [(s, n) for s, n in zip(batch.seqs, batch.num_new) if id(s) not in bad]
+        if not seqs:
+            return StepResult([], None, violations)
+        ps = self.pool.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[Sequence] = []
+        decode: list[tuple[int, Sequence, int]] = []  # (row, seq, kv_len)
+        prefills: list[PrefillSpan] = []
+        for seq, n in seqs:
+            start, end = seq.num_computed, seq.num_computed + n
+            row0 = len(ids)
+            ids.extend(seq.token_slice(start, end))
+            positions.extend(range(start, end))
+            slots.extend(seq.pages[p // ps] * ps + p % ps for p in range(start, end))
+            if n == 1:
+                decode.append((row0, seq, end))
+            else:
+                npages = -(-end // ps)
+                pages = torch.tensor(seq.pages[:npages], dtype=torch.long)
+                mask = None
+                if start > 0:  # a later chunk: queries at start..end-1 see keys 0..their own position
+                    qpos = torch.arange(start, end)[:, None]
+                    mask = torch.arange(end)[None, :] <= qpos
+                    mask = mask.to(self.device)
+                prefills.append(PrefillSpan(row0, n, end, pages.to(self.device), mask))
+            if end == seq.num_tokens:
+                logits_rows.append(len(ids) - 1)
+                sampled.append(seq)
+
+        meta = AttentionMeta(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            decode_rows=None, decode_pages=None, decode_mask=None, prefills=prefills,
+        )
+        if decode:
+            max_pages = max(-(-kv // ps) for _, _, kv in decode)
+            table = [s.pages[: -(-kv // ps)] for _, s, kv in decode]
+            # pad each row with its own last page: a padded slot is masked out and never another request's
+            padded = [t + [t[-1]] * (max_pages - len(t)) for t in table]
+            kv_lens = torch.tensor([kv for _, _, kv in decode])
+            mask = torch.arange(max_pages * ps)[None, :] < kv_lens[:, None]
+            meta.decode_rows = torch.tensor([r for r, _, _ in decode], dtype=torch.long, device=self.device)
+            meta.decode_pages = torch.tensor(padded, dtype=torch.long, device=self.device)
+            meta.decode_mask = mask[:, None, None, :].to(self.device)
+        if not logits_rows:
+            logits_rows_t = torch.empty(0, dtype=torch.long, device=self.device)
+        else:
+            logits_rows_t = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.pool.k, self.pool.v, meta, logits_rows_t,
+        )
+        for seq, n in seqs:
+            seq.num_computed += n
+        return StepResult(sampled, logits if sampled else None, violations)

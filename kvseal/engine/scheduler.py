@@ -1,0 +1,112 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Policy, once per step, under a token budget:
+  1. running sequences first, oldest first: one token each when decoding, a chunk when still prefilling.
+     When pages run out, the newest running sequence is preempted (pages scrubbed and freed, recomputed
+     later) until the older one fits.
+  2. then waiting sequences, oldest first, as long as budget, batch slots and pages allow.
+Waiting is bounded: a sequence that waits longer than wait_timeout_s ends REJECTED with 503.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvseal.config import SchedulerConfig
+from kvseal.engine.sequence import Sequence
+from kvseal.kv.allocator import OutOfPages, PageAllocator
+
+
+@dataclass
+class Batch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)  # tokens fed for each seq this step
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new.append(n)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, page_size: int) -> None:
+        self.cfg = cfg
+        self.allocator = allocator
+        self.page_size = page_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[Batch, list[Sequence]]:
+        """Returns the batch for this step and the sequences preempted to make room."""
+        batch, preempted = Batch(), []
+        budget = self.cfg.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self._grow(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.add(seq, n)
+                budget -= n
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.monotonic()
+            batch.add(seq, n)
+            budget -= n
+        return batch, preempted
+
+    def expired(self, now: float) -> list[Sequence]:
+        """Waiting sequences that were never scheduled and waited past the limit."""
+        limit = self.cfg.wait_timeout_s
+        return [s for s in self.waiting if s.first_scheduled is None and now - s.arrival > limit]
+
+    def remove(self, seq: Sequence) -> None:
+        """Take seq out of the queues and free its pages (scrubbed by the allocator)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        try:
+            seq.pages.extend(self.allocator.allocate(seq.owner, need))
+        except OutOfPages:
+            return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.owner = self.allocator.next_epoch(seq.owner)  # a stale page table can never pass again
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        # The owner array decides what seq holds, not seq.pages (which may be what went wrong).
+        self.allocator.free_all(seq.owner.key)
+        seq.pages = []

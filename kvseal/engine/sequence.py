@@ -1,0 +1,52 @@
+"""One request inside an engine: its tokens, its pages and its lifecycle.
+
+Invariant: pages hold the KV of all_ids[:num_computed], and len(pages) * page_size >= num_computed. The next
+step feeds all_ids[num_computed : num_computed + n]; when that reaches num_tokens the last row's logits
+give the next token. Prefill, chunked prefill, decode and recompute-after-preemption are all this one rule.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvseal.engine.messages import GenerateRequest, SamplingParams, TokenLogprob
+from kvseal.kv.allocator import Owner
+from kvseal.lifecycle import Lifecycle
+from kvseal.model.detokenize import IncrementalDecoder
+
+
+class Sequence:
+    def __init__(self, req: GenerateRequest, owner: Owner, decoder: IncrementalDecoder,
+                 generator: torch.Generator | None) -> None:
+        self.request_id = req.request_id
+        self.prompt_ids: list[int] = list(req.prompt_ids)
+        self.params: SamplingParams = req.params
+        self.tenant = req.tenant
+        self.life = Lifecycle(req.request_id)
+        self.owner = owner
+        self.pages: list[int] = []
+        self.num_computed = 0
+        self.output_ids: list[int] = []
+        self.decoder = decoder
+        self.generator = generator
+        self.text = ""  # all output text so far (stop strings removed once found)
+        self.sent_chars = 0  # how much of `text` has been emitted
+        self.sent_tokens = 0
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.arrival = time.monotonic()
+        self.first_scheduled: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id}, {self.life.state.name}, computed={self.num_computed}/{self.num_tokens})"

@@ -1,0 +1,126 @@
+"""Typed errors at kvseal's boundaries, each mapped once to an OpenAI-shaped HTTP error.
+
+Every error carries the HTTP status, OpenAI's error `type` and `code`, and a message that says what was
+wrong and how to fix it. Errors travel between processes as `ErrorInfo` (see to_info/from_info) so the
+client always gets the *original* error (seal 3), never a re-worded or generic one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    """An error as it crosses a process boundary; rebuilt into the same KvsealError class on arrival."""
+
+    kind: str  # the KvsealError subclass name
+    message: str
+    status: int
+    type: str
+    code: str | None = None
+    param: str | None = None
+
+
+class KvsealError(Exception):
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_info(self) -> ErrorInfo:
+        return ErrorInfo(type(self).__name__, self.message, self.status, self.type, self.code, self.param)
+
+    @staticmethod
+    def from_info(info: ErrorInfo) -> KvsealError:
+        cls = _REGISTRY.get(info.kind, KvsealError)
+        err = cls(info.message, param=info.param, code=info.code)
+        # Keep the original status/type even for an unknown kind from a newer peer.
+        err.status, err.type = info.status, info.type
+        return err
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r})"
+
+
+class InvalidRequest(KvsealError):
+    status, type, code = 400, "invalid_request_error", None
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(KvsealError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class NotFound(KvsealError):
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class PayloadTooLarge(KvsealError):
+    status, type, code = 413, "invalid_request_error", "payload_too_large"
+
+
+class Overloaded(KvsealError):
+    status, type, code = 503, "server_error", "overloaded"
+
+
+class RequestAborted(KvsealError):
+    """The request was aborted (client disconnect, shutdown, explicit abort)."""
+
+    status, type, code = 499, "aborted", "request_aborted"
+
+
+class WorkerFailed(KvsealError):
+    """A worker died, timed out or answered something it should not have."""
+
+    status, type, code = 502, "server_error", "worker_failed"
+
+
+class TransferTimeout(WorkerFailed):
+    status, code = 504, "transfer_timeout"
+
+
+class TransferVerificationFailed(KvsealError):
+    """Arrived KV does not match its reservation (seal 4); the request produces no output."""
+
+    status, type, code = 502, "server_error", "kv_verification_failed"
+
+
+class PageOwnershipViolation(KvsealError):
+    """A page table names a page the request does not own (seal 5); the request produces no output."""
+
+    status, type, code = 500, "server_error", "kv_ownership_violation"
+
+
+class CapacityMismatch(KvsealError):
+    """A worker cannot hold the served context window, or workers disagree on layout (seal 7)."""
+
+    status, type, code = 500, "server_error", "capacity_mismatch"
+
+
+class InternalError(KvsealError):
+    status, type, code = 500, "server_error", "internal_error"
+
+
+def _subclasses(cls: type[KvsealError]) -> list[type[KvsealError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_subclasses(sub))
+    return out
+
+
+# Read-only lookup table built once at import; never mutated afterwards.
+_REGISTRY: dict[str, type[KvsealError]] = {c.__name__: c for c in _subclasses(KvsealError)}

@@ -1,0 +1,68 @@
+"""The KV pool: the tensors, nothing else. Ownership lives in the allocator.
+
+k, v: (num_layers, num_pages, page_size, kv_heads, head_dim). Capacity in tokens = num_pages * page_size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvseal.config import CacheConfig
+from kvseal.model.checkpoint import ModelArch
+
+
+def kv_bytes_per_token(arch: ModelArch, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * elem
+
+
+def pool_num_pages(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, default_tokens: int) -> int:
+    """Pages in the pool: from --kv-pool-tokens, --kv-pool-bytes, or `default_tokens` when neither is set."""
+    if cache.pool_tokens is not None:
+        tokens = cache.pool_tokens
+    elif cache.pool_bytes is not None:
+        tokens = cache.pool_bytes // kv_bytes_per_token(arch, dtype)
+    else:
+        tokens = default_tokens
+    pages = tokens // cache.page_size
+    if pages < 1:
+        raise ValueError(
+            f"a KV pool of {tokens} tokens holds no whole page of {cache.page_size} tokens: raise the pool size"
+        )
+    return pages
+
+
+class KVPool:
+    def __init__(self, arch: ModelArch, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        shape = (arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
+        self.bytes_per_token = kv_bytes_per_token(arch, dtype)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def scrub(self, pages: Sequence[int]) -> None:
+        """Zero the given pages in every layer (seal 6)."""
+        idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.k.device)
+        self.k[:, idx] = 0
+        self.v[:, idx] = 0
+
+    def read_pages(self, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V for `pages`: (L, n, S, KVH, D) each."""
+        idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.k.device)
+        return self.k[:, idx].clone(), self.v[:, idx].clone()
+
+    def write_pages(self, pages: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.k.device)
+        self.k[:, idx] = k.to(self.k.device, self.k.dtype)
+        self.v[:, idx] = v.to(self.v.device, self.v.dtype)

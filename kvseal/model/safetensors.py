@@ -1,0 +1,147 @@
+"""Loading a Hugging Face Llama / Qwen2 (or llama-shaped Mistral) folder of safetensors into a Checkpoint.
+
+Weights of any floating dtype are converted to float32 (exact for bf16/fp16). The folder must hold
+config.json, tokenizer.json and one `model.safetensors` or several shards (with or without
+`model.safetensors.index.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from kvseal.model.checkpoint import Checkpoint, ModelArch
+from kvseal.model.layout import check_weights
+from kvseal.model.tokenizer import Tokenizer
+
+# config.json model_type -> ModelArch.family
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+# Non-persistent buffers some older checkpoints saved; they are recomputed by the model.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _hashable(value: Any) -> Any:
+    """Nested dicts/lists -> sorted tuples of items / tuples, so ModelArch stays hashable."""
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """(rope_theta, rope_scaling) from either transformers 4's rope_theta + rope_scaling keys or
+    transformers 5's `rope_parameters` (which carries rope_theta and rope_type inside)."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else None
+    if scaling is None:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    scaling = dict(scaling)
+    if "type" in scaling and "rope_type" not in scaling:  # legacy spelling
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default" and set(scaling) <= {"rope_type"}:
+        return float(theta), None
+    return float(theta), _hashable(scaling)
+
+
+def arch_from_hf_config(cfg: dict[str, Any], source: str) -> ModelArch:
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{source}: config.json model_type={model_type!r} is not supported; "
+            f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
+    family = SUPPORTED_MODEL_TYPES[model_type]
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act={cfg.get('hidden_act')!r} is not supported; only 'silu' is")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias=true is not supported (the MLP projections must have no bias)")
+    if family == "llama" and cfg.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias=true on a llama model (o_proj bias) is not supported")
+    window = cfg.get("sliding_window")
+    uses_window = cfg.get("use_sliding_window", model_type == "mistral")
+    if uses_window and window is not None and window < cfg.get("max_position_embeddings", 0):
+        raise ValueError(f"{source}: sliding_window={window} attention is not supported; only full attention is")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in cfg]
+    if missing:
+        raise ValueError(f"{source}: config.json lacks {missing}")
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    theta, scaling = _rope(cfg)
+    return ModelArch(
+        family=family,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rope_theta=theta,
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position=int(cfg.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=family == "qwen2",
+        rope_scaling=scaling,
+    )
+
+
+def _shard_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = sorted({folder / f for f in weight_map.values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} holds no *.safetensors files (pytorch .bin checkpoints are not supported)")
+    for f in files:
+        if not f.is_file():
+            raise ValueError(f"{folder}: shard {f.name} named in model.safetensors.index.json is missing")
+    return files
+
+
+def _hf_name(name: str) -> str:
+    # Checkpoints of the bare LlamaModel omit the "model." prefix.
+    return name if name.startswith(("model.", "lm_head.")) else "model." + name
+
+
+def load_hf_folder(path: str, progress: bool = True) -> Checkpoint:
+    """Load config.json, every safetensors shard (as float32) and the tokenizer of a HF model folder."""
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{folder} has no config.json; it is not a Hugging Face model folder")
+    cfg = json.loads(config_file.read_text(encoding="utf-8"))
+    arch = arch_from_hf_config(cfg, str(folder))
+    weights: dict[str, torch.Tensor] = {}
+    files = _shard_files(folder)
+    for file in tqdm(files, desc=f"loading {folder.name}", unit="shard", file=sys.stderr, disable=not progress):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.endswith(_IGNORED_SUFFIXES):
+                    continue
+                name = _hf_name(key)
+                if name in weights:
+                    raise ValueError(f"{folder}: weight {name} appears in more than one shard")
+                t = f.get_tensor(key)
+                if not t.is_floating_point():
+                    raise ValueError(f"{folder}: weight {name} has non-float dtype {t.dtype}")
+                weights[name] = t.to(torch.float32).contiguous()
+    if arch.tie_embeddings:
+        weights.pop("lm_head.weight", None)  # tied: the embedding is the head, as transformers ties it
+    check_weights(weights, arch, str(folder))
+    return Checkpoint(
+        arch=arch,
+        weights=weights,
+        tokenizer=Tokenizer.from_hf_folder(folder),
+        name=folder.resolve().name,
+        source=str(folder),
+    )

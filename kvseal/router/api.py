@@ -1,0 +1,242 @@
+"""The OpenAI HTTP API over any Backend. Every failure leaves here as OpenAI-shaped JSON with its status.
+
+Never a 200 for a request that did not complete: a whole response is sent only after the final delta said
+FINISHED; a stream starts only after the first delta arrived, and a later failure ends it with an error
+event and no [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvseal.config import ServerConfig
+from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams, TokenLogprob
+from kvseal.errors import (ContextLengthExceeded, InternalError, InvalidRequest, KvsealError, ModelNotFound,
+                           NotFound)
+from kvseal.router.backend import Backend
+from kvseal.router.bodylimit import BodyLimit
+from kvseal.router.openai_format import ResponseBuilder, chat_logprobs, completion_logprobs, usage
+from kvseal.router.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
+
+log = logging.getLogger("kvseal.api")
+
+
+def error_response(err: KvsealError) -> JSONResponse:
+    return JSONResponse(err.to_openai(), status_code=err.status)
+
+
+def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.stop()
+
+    app = FastAPI(title="kvseal", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+
+    @app.exception_handler(KvsealError)
+    async def _kvseal_error(_: Request, err: KvsealError) -> JSONResponse:
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", "invalid"))
+        return error_response(InvalidRequest(msg, param=loc or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error_response(NotFound("no such endpoint"))
+        err = InvalidRequest(str(exc.detail))
+        err.status = exc.status_code
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(InternalError("internal error; the request was not completed"))
+
+    def tenant_of(request: Request) -> str:
+        auth = request.headers.get("authorization", "")
+        key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        if cfg.api_keys and key not in cfg.api_keys:
+            err = InvalidRequest("invalid or missing API key", code="invalid_api_key")
+            err.status, err.type = 401, "authentication_error"
+            raise err
+        return key
+
+    def check_model(name: str) -> None:
+        if name != backend.model_name:
+            raise ModelNotFound(f"The model `{name}` does not exist. This server serves `{backend.model_name}`.",
+                                param="model")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = await backend.healthy()
+        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+
+    @app.get("/info")
+    async def info() -> dict[str, Any]:
+        return await backend.info()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "kvseal",
+                "max_model_len": backend.context_window}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        tenant = tenant_of(request)
+        check_model(body.model)
+        try:
+            text = backend.tokenizer.apply_chat_template(message_dicts(body.messages),
+                                                         add_generation_prompt=body.add_generation_prompt)
+        except ValueError as exc:
+            raise InvalidRequest(f"messages: {exc}", param="messages") from exc
+        ids = backend.tokenizer.encode(text, add_special_tokens=False)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await run(request, body, ids, max_tokens, top, tenant, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        tenant = tenant_of(request)
+        check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise InvalidRequest("only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = backend.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            if any(t >= backend.tokenizer.vocab_size for t in ids):
+                raise InvalidRequest("a prompt token id is outside the vocabulary", param="prompt")
+        return await run(request, body, ids, body.max_tokens, body.logprobs, tenant, chat=False)
+
+    async def run(request: Request, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
+                  max_tokens: int | None, top_logprobs: int | None, tenant: str, chat: bool) -> Any:
+        window = backend.context_window
+        if not ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if max_tokens is None:
+            max_tokens = max(window - len(ids), 1)
+        if len(ids) + max_tokens > window:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {window} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
+                f"Please reduce the length of the prompt or completion.", param="messages" if chat else "prompt")
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(body.top_k or 0, 0),
+            seed=body.seed,
+            stop=body.stop_list(),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=top_logprobs,
+            min_tokens=body.min_tokens,
+        )
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        gen = backend.generate(GenerateRequest(rid, ids, params, tenant=tenant))
+        builder = ResponseBuilder(rid, backend.model_name, chat)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await stream(gen, builder, include_usage, chat)
+        return await whole(request, gen, builder, chat)
+
+    def format_lps(lps: list[TokenLogprob] | None, chat: bool, offset: int) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+        tok = backend.tokenizer
+        return chat_logprobs(tok, lps) if chat else completion_logprobs(tok, lps, offset)
+
+    async def whole(request: Request, gen: AsyncIterator[GenerateDelta], builder: ResponseBuilder,
+                    chat: bool) -> JSONResponse:
+        async def collect() -> tuple[str, list[TokenLogprob] | None, GenerateDelta]:
+            parts: list[str] = []
+            lps: list[TokenLogprob] | None = None
+            async for d in gen:
+                parts.append(d.text)
+                if d.logprobs is not None:
+                    lps = (lps or []) + d.logprobs
+                if d.final is not None:
+                    return "".join(parts), lps, d
+            raise InternalError("the backend ended a request without an outcome")
+
+        task = asyncio.ensure_future(collect())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    await gen.aclose()  # aborts the request; its pages are freed
+                    return error_response(InvalidRequest("client disconnected"))
+            text, lps, last = task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+        if last.error is not None:
+            return error_response(KvsealError.from_info(last.error))
+        use = usage(last.prompt_tokens, last.completion_tokens)
+        return JSONResponse(builder.whole(text, last.final or "stop", format_lps(lps, chat, 0), use))
+
+    async def stream(gen: AsyncIterator[GenerateDelta], builder: ResponseBuilder, include_usage: bool,
+                     chat: bool) -> Any:
+        # Wait for the first delta before committing to a 200: an error that comes first is a real status.
+        first = await gen.__anext__()
+        if first.final is not None and first.error is not None:
+            await gen.aclose()
+            return error_response(KvsealError.from_info(first.error))
+
+        async def events() -> AsyncIterator[str]:
+            offset = 0
+            try:
+                if chat:
+                    yield _sse(builder.chunk("", None, None, role=True))
+                d: GenerateDelta | None = first
+                while d is not None:
+                    if d.error is not None:
+                        yield _sse(KvsealError.from_info(d.error).to_openai())
+                        return
+                    finish = d.final
+                    if d.text or d.logprobs or finish:
+                        yield _sse(builder.chunk(d.text, finish, format_lps(d.logprobs, chat, offset)))
+                        offset += len(d.text)
+                    if finish is not None:
+                        if include_usage:
+                            yield _sse(builder.usage_chunk(usage(d.prompt_tokens, d.completion_tokens)))
+                        yield "data: [DONE]\n\n"
+                        return
+                    d = await gen.__anext__()
+            finally:
+                await gen.aclose()  # a disconnect cancels this generator: the request is aborted
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,76 @@
+"""GenerateDelta -> OpenAI response objects (chat and completion, whole and streamed)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvseal.engine.messages import TokenLogprob
+from kvseal.model.tokenizer import Tokenizer
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _tok(tokenizer: Tokenizer, tid: int) -> str:
+    return tokenizer.decode([tid], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer: Tokenizer, lps: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        s = _tok(tokenizer, tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                        for x in lps]}
+
+
+def completion_logprobs(tokenizer: Tokenizer, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    tokens = [_tok(tokenizer, x.token_id) for x in lps]
+    offsets = []
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [x.logprob for x in lps],
+        "top_logprobs": [{_tok(tokenizer, t): v for t, v in x.top} for x in lps],
+        "text_offset": offsets,
+    }
+
+
+class ResponseBuilder:
+    """Builds the objects of one response; `chat` selects chat.completion vs text_completion shapes."""
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.id, self.model, self.chat = request_id, model, chat
+        self.created = int(time.time())
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish: str, logprobs: dict[str, Any] | None, use: dict[str, int]) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": logprobs, "finish_reason": finish}
+            return {**self._base("chat.completion"), "choices": [choice], "usage": use}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {**self._base("text_completion"), "choices": [choice], "usage": use}
+
+    def chunk(self, text: str | None, finish: str | None, logprobs: dict[str, Any] | None,
+              role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return {**self._base("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        return {**self._base("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": use}

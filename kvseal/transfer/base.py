@@ -1,0 +1,149 @@
+"""The transport interface: how KV pages + manifest get from a prefill worker to a decode worker.
+
+Small on purpose (after SGLang's `send / poll / abort` and its status enum). A transport moves bytes and
+carries back an ack or a nack; it never judges what it moves: verification is `manifest.verify`, run by the
+receiver before it calls `Arrival.reply`.
+
+Sender side:   register(pool_k, pool_v); h = send(endpoint, manifest, payload); poll(h) until done; abort(h)
+Receiver side: register(pool_k, pool_v); endpoint = listen(bind); a = recv(timeout_s); a.reply(ok, error)
+
+Threading: an instance, and every Arrival it returns, is used from one thread only (the thread that first
+uses it); other threads get RuntimeError. Run one instance per thread if you need several.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Self
+
+import torch
+
+from kvseal.errors import ErrorInfo, KvsealError
+from kvseal.transfer.manifest import KVManifest, PagePayload
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"  # sent (or queued); no answer yet
+    ACKED = "acked"  # the receiver verified the pages and owns them now
+    REJECTED = "rejected"  # the receiver refused them; error is the receiver's (e.g. TransferVerificationFailed)
+    FAILED = "failed"  # the transport could not send (queue full, socket error); error says why
+    TIMED_OUT = "timed_out"  # no answer within the timeout; error is a TransferTimeout
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStatus:
+    state: TransferState
+    error: ErrorInfo | None = None  # set exactly when state is REJECTED, FAILED or TIMED_OUT
+
+    @property
+    def done(self) -> bool:
+        return self.state is not TransferState.PENDING
+
+    def raise_for_error(self) -> None:
+        if self.error is not None:
+            raise KvsealError.from_info(self.error)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferHandle:
+    transfer_id: str
+    endpoint: str
+    request_id: str
+
+
+class Arrival:
+    """One received transfer. Verify it, then answer exactly once with reply()."""
+
+    def __init__(self, transfer_id: str, manifest: KVManifest, payload: PagePayload,
+                 reply_fn: Callable[[bool, ErrorInfo | None], bool]) -> None:
+        self.transfer_id, self.manifest, self.payload = transfer_id, manifest, payload
+        self._reply_fn: Callable[[bool, ErrorInfo | None], bool] | None = reply_fn
+
+    def reply(self, ok: bool, error: ErrorInfo | None = None) -> bool:
+        """Ack (ok) or nack (with the error that ends the request). False if the sender is gone."""
+        if self._reply_fn is None:
+            raise RuntimeError(f"transfer {self.transfer_id} was already answered")
+        if ok == (error is not None):
+            raise ValueError("reply(ok=True) takes no error; reply(ok=False) needs one")
+        fn, self._reply_fn = self._reply_fn, None
+        return fn(ok, error)
+
+    @property
+    def answered(self) -> bool:
+        return self._reply_fn is None
+
+
+class Transport(ABC):
+    """A KV transport endpoint; one instance may send, receive, or both."""
+
+    def __init__(self) -> None:
+        self._owner: int | None = None
+
+    def _own(self) -> None:
+        """Bind the instance to the first thread that uses it; refuse every other thread."""
+        me = threading.get_ident()
+        if self._owner is None:
+            self._owner = me
+        elif self._owner != me:
+            raise RuntimeError(f"{type(self).__name__} is used from one thread only; create one per thread")
+
+    def register(self, pool_k: torch.Tensor, pool_v: torch.Tensor) -> None:
+        """Make the pool's memory known to the backend (RDMA registration). A no-op where nothing is pinned."""
+
+    @abstractmethod
+    def send(self, endpoint: str, manifest: KVManifest, payload: PagePayload, *,
+             timeout_s: float | None = None) -> TransferHandle:
+        """Start sending; never blocks on the peer. The payload must not be modified afterwards."""
+
+    @abstractmethod
+    def poll(self, handle: TransferHandle) -> TransferStatus:
+        """Non-blocking. A terminal status is reported once; polling the handle again raises KeyError."""
+
+    @abstractmethod
+    def abort(self, handle: TransferHandle) -> None:
+        """Forget the transfer: a late answer is dropped. The receiver's reservation is released by the
+        control plane, not here. Aborting an unknown or finished handle does nothing."""
+
+    @abstractmethod
+    def listen(self, bind_endpoint: str) -> str:
+        """Start receiving; returns the actual endpoint (a port of 0 is chosen by the OS)."""
+
+    @abstractmethod
+    def recv(self, timeout_s: float) -> Arrival | None:
+        """The next arrival, or None after timeout_s."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release sockets; pending transfers are dropped."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# name -> "module:class". Read-only; modules are imported on lookup, so an optional backend's dependencies
+# (NIXL, Mooncake) are needed only by the deployments that choose it.
+TRANSPORTS: Mapping[str, str] = MappingProxyType({
+    "zmq": "kvseal.transfer.zmq:ZmqTransport",
+})
+
+
+def transport_class(name: str) -> type[Transport]:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown KV transport {name!r}: use one of {', '.join(sorted(TRANSPORTS))}")
+    module, _, attr = TRANSPORTS[name].partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    assert isinstance(cls, type) and issubclass(cls, Transport)
+    return cls
+
+
+def create_transport(name: str, **options: Any) -> Transport:
+    return transport_class(name)(**options)

@@ -1,0 +1,288 @@
+"""What moves in a prefill -> decode handoff, and its check before use (seal 4). Transport-independent.
+
+Decode reserves pages and hands out a `Reservation`; prefill packs its pages into a `PagePayload` and sends it
+with a `KVManifest`; decode runs `verify()` and only then `unpack_into()` its reserved pages.
+
+Payload layout: per side (K, V) one contiguous byte buffer, page-major `(n, L, S, KVH, D)`, so page j of the
+transfer is bytes `[j * page_bytes, (j + 1) * page_bytes)` of each side, where `page_bytes = L * S * KVH * D *
+element_size` (see `page_nbytes`). Bytes are moved raw, so every dtype (bfloat16 included) round-trips exactly.
+
+Checksums are integrity checks (a flipped bit, a truncated or misrouted page), not authentication: identity is
+bound by the reservation id and nonce, which only the decode worker and the router know.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+import torch
+
+from kvseal.errors import TransferVerificationFailed
+
+try:
+    import xxhash
+
+    _HAVE_XXHASH = True
+except ImportError:  # pragma: no cover - xxhash is a dependency; blake2b keeps a bare install working
+    _HAVE_XXHASH = False
+
+SCHEMA_VERSION = 1
+
+
+class _Hash(Protocol):  # the part of hashlib / xxhash hash objects used here
+    def update(self, data: memoryview, /) -> None: ...
+    def digest(self) -> bytes: ...
+
+
+def _hasher() -> tuple[str, Callable[[], _Hash]]:
+    if _HAVE_XXHASH:
+        return "xxh3_64", xxhash.xxh3_64
+    return "blake2b_64", lambda: hashlib.blake2b(digest_size=8)
+
+
+# Both sides must use the same algorithm; its name travels in the manifest and verify() compares it.
+CHECKSUM_ALGO, _new_hash = _hasher()
+
+
+class Reservation(msgspec.Struct, frozen=True, kw_only=True):
+    """Pages a decode worker set aside for one request. Decode keeps its own copy and verifies against it."""
+
+    request_id: str
+    reservation_id: str
+    nonce: str  # 128-bit random hex; binds the arrival to this reservation (see new_nonce)
+    num_tokens: int  # prompt tokens whose KV will arrive
+    page_ids: list[int]  # decode's page ids, in token order; len == ceil(num_tokens / page_size)
+    model_fingerprint: str
+    page_size: int
+    kv_dtype: str  # "bfloat16", "float32", ... (see dtype_name)
+    kv_layout: str  # opaque layout string, e.g. "L30xPxSx3x64"
+    kv_endpoint: str  # where to send the pages, e.g. "tcp://127.0.0.1:5555"
+    v: int = SCHEMA_VERSION
+
+
+class KVManifest(msgspec.Struct, frozen=True, kw_only=True):
+    """What prefill claims to have sent. The spec fields describe *prefill's* KV, never copied from the
+    reservation, so that verify() compares the two workers' views."""
+
+    request_id: str
+    reservation_id: str
+    nonce: str
+    num_tokens: int
+    num_pages: int
+    page_checksums: list[int]  # one unsigned 64-bit hash per page over its K bytes then its V bytes
+    checksum: str  # the algorithm, CHECKSUM_ALGO on the sender
+    first_token: int  # sampled by prefill
+    first_logprob: float | None = None
+    first_top: list[tuple[int, float]] = []  # top-k alternatives of the first token, best first
+    model_fingerprint: str
+    page_size: int
+    kv_dtype: str
+    kv_layout: str
+    v: int = SCHEMA_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class PagePayload:
+    """K and V bytes of `num_pages` pages, page-major; each side a 1-D contiguous uint8 CPU tensor."""
+
+    k: torch.Tensor  # (num_pages * page_bytes,) uint8
+    v: torch.Tensor  # (num_pages * page_bytes,) uint8
+    num_pages: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() + self.v.numel()
+
+    @staticmethod
+    def from_buffers(k: memoryview | bytes, v: memoryview | bytes, num_pages: int) -> PagePayload:
+        """Wrap received buffers without copying. The tensors are read-only views: never write to them."""
+        return PagePayload(_bytes_tensor(k), _bytes_tensor(v), num_pages)
+
+
+def _bytes_tensor(buf: memoryview | bytes) -> torch.Tensor:
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if mv.readonly:  # torch warns on read-only buffers; these are only ever read (hash, copy out)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(mv, dtype=torch.uint8)
+    return torch.frombuffer(mv, dtype=torch.uint8)
+
+
+# -- naming and sizes ---------------------------------------------------------------------------------
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(16)
+
+
+def new_reservation_id() -> str:
+    return secrets.token_hex(8)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def page_nbytes(pool: torch.Tensor) -> int:
+    """Bytes of one page of one side: L * S * KVH * D * element_size, for a pool (L, P, S, KVH, D)."""
+    return pool.numel() // pool.shape[1] * pool.element_size() if pool.shape[1] else 0
+
+
+def build_manifest(reservation: Reservation, payload: PagePayload, *, num_tokens: int, first_token: int,
+                   model_fingerprint: str, page_size: int, kv_dtype: str, kv_layout: str,
+                   first_logprob: float | None = None,
+                   first_top: Sequence[tuple[int, float]] = ()) -> KVManifest:
+    """Prefill's manifest: identity from the reservation, everything else from prefill's own state."""
+    return KVManifest(
+        request_id=reservation.request_id, reservation_id=reservation.reservation_id,
+        nonce=reservation.nonce, num_tokens=num_tokens, num_pages=payload.num_pages,
+        page_checksums=page_checksums(payload), checksum=CHECKSUM_ALGO, first_token=first_token,
+        first_logprob=first_logprob, first_top=list(first_top), model_fingerprint=model_fingerprint,
+        page_size=page_size, kv_dtype=kv_dtype, kv_layout=kv_layout,
+    )
+
+
+# -- moving pages -------------------------------------------------------------------------------------
+
+
+def _rows(pool: torch.Tensor, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool as a (L * P, W) matrix of machine words, and the row of each (page, layer), page-major.
+
+    Indexing whole rows of the widest word that divides a row is ~10x faster than byte-wise indexing.
+    """
+    num_layers, num_pages = pool.shape[0], pool.shape[1]
+    rows = pool.reshape(num_layers * num_pages, -1).view(torch.uint8)  # (L*P, B)
+    rows = rows.view(_word(rows.shape[1], rows.data_ptr()))
+    idx = torch.as_tensor(list(pages), dtype=torch.long, device=pool.device)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num_pages):
+        raise ValueError(f"page ids {list(pages)} out of range for a pool of {num_pages} pages")
+    layer_base = torch.arange(num_layers, device=pool.device) * num_pages
+    return rows, (idx[:, None] + layer_base[None, :]).reshape(-1)  # (n * L,)
+
+
+def _word(nbytes: int, ptr: int) -> torch.dtype:
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if nbytes % size == 0 and ptr % size == 0:
+            return dtype
+    return torch.uint8
+
+
+def _check_pools(k: torch.Tensor, v: torch.Tensor) -> None:
+    if k.shape != v.shape or k.dtype != v.dtype or k.dim() != 5 or not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError(f"K and V pools must be contiguous (L, P, S, KVH, D) tensors of one shape and dtype, "
+                         f"got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+
+
+def pack_pages(k: torch.Tensor, v: torch.Tensor, pages: Sequence[int]) -> PagePayload:
+    """Gather `pages` of the pools k, v (L, P, S, KVH, D) into one page-major CPU buffer per side."""
+    _check_pools(k, v)
+
+    def side(pool: torch.Tensor) -> torch.Tensor:
+        rows, sel = _rows(pool, pages)
+        packed = torch.index_select(rows, 0, sel)  # (n * L, W): page-major, contiguous
+        return packed.view(torch.uint8).reshape(-1).cpu()
+
+    return PagePayload(side(k), side(v), len(pages))
+
+
+def unpack_into(pool_k: torch.Tensor, pool_v: torch.Tensor, page_ids: Sequence[int],
+                payload: PagePayload) -> None:
+    """Write the payload's pages, in order, into `page_ids` of the pools. Call only after verify()."""
+    _check_pools(pool_k, pool_v)
+    if len(set(page_ids)) != len(page_ids):
+        raise ValueError(f"page ids must be distinct, got {list(page_ids)}")
+    want = len(page_ids) * page_nbytes(pool_k)
+    if payload.num_pages != len(page_ids) or payload.k.numel() != want or payload.v.numel() != want:
+        raise ValueError(f"payload of {payload.num_pages} pages ({payload.k.numel()} + {payload.v.numel()} "
+                         f"bytes) does not fit {len(page_ids)} pages of {page_nbytes(pool_k)} bytes per side")
+    if not page_ids:
+        return
+    for pool, src in ((pool_k, payload.k), (pool_v, payload.v)):
+        rows, sel = _rows(pool, page_ids)
+        word = _word(rows.shape[1] * rows.element_size(), src.data_ptr())
+        if word != rows.dtype:  # a misaligned receive buffer: realign once rather than copy bytewise
+            src = src.clone()
+        src_rows = src.view(rows.dtype).view(sel.numel(), -1).to(pool.device)
+        rows.index_copy_(0, sel, src_rows)
+
+
+# -- checking -----------------------------------------------------------------------------------------
+
+
+def page_checksums(payload: PagePayload) -> list[int]:
+    """One unsigned 64-bit hash per page, over that page's K bytes then its V bytes."""
+    n = payload.num_pages
+    if payload.k.numel() != payload.v.numel() or (n and payload.k.numel() % n) or (not n and payload.nbytes):
+        raise ValueError(f"payload of {payload.k.numel()} + {payload.v.numel()} bytes is not {n} equal pages")
+    if n == 0:
+        return []
+    step = payload.k.numel() // n
+    kb, vb = payload.k.numpy().data, payload.v.numpy().data  # zero-copy byte views
+    out = []
+    for j in range(n):
+        h = _new_hash()
+        h.update(kb[j * step:(j + 1) * step])
+        h.update(vb[j * step:(j + 1) * step])
+        out.append(int.from_bytes(h.digest(), "big"))
+    return out
+
+
+def _fail(manifest: KVManifest, field: str, expected: object, received: object) -> TransferVerificationFailed:
+    return TransferVerificationFailed(
+        f"KV transfer for request {manifest.request_id!r} failed verification: {field}: "
+        f"expected {expected!r}, received {received!r}; the request produces no output")
+
+
+def verify(manifest: KVManifest, reservation: Reservation, payload: PagePayload, *,
+           expected_fingerprint: str, page_bytes: int) -> None:
+    """Raise TransferVerificationFailed unless the arrival is exactly what `reservation` set aside (seal 4).
+
+    `expected_fingerprint` and `page_bytes` (see page_nbytes) describe the receiving worker's own model
+    and pool. Cheap checks first; the checksums, which read every byte, last.
+    """
+    m, r = manifest, reservation
+
+    def same(field: str, expected: object, received: object) -> None:
+        if expected != received:
+            raise _fail(m, field, expected, received)
+
+    same("manifest schema version", SCHEMA_VERSION, m.v)
+    same("request_id", r.request_id, m.request_id)
+    same("reservation_id", r.reservation_id, m.reservation_id)
+    if not hmac.compare_digest(r.nonce.encode(), m.nonce.encode()):
+        raise _fail(m, "nonce", r.nonce, m.nonce)
+    same("model_fingerprint (reservation vs this worker)", expected_fingerprint, r.model_fingerprint)
+    same("model_fingerprint", expected_fingerprint, m.model_fingerprint)
+    same("page_size", r.page_size, m.page_size)
+    same("kv_dtype", r.kv_dtype, m.kv_dtype)
+    same("kv_layout", r.kv_layout, m.kv_layout)
+    same("checksum algorithm", CHECKSUM_ALGO, m.checksum)
+    same("num_tokens", r.num_tokens, m.num_tokens)
+    if m.num_tokens < 1:
+        raise _fail(m, "num_tokens", "at least 1", m.num_tokens)
+    same("num_pages (reserved pages)", len(r.page_ids), m.num_pages)
+    same("num_pages (ceil(num_tokens / page_size))", pages_for(m.num_tokens, r.page_size), m.num_pages)
+    same("number of page_checksums", m.num_pages, len(m.page_checksums))
+    same("payload pages", m.num_pages, payload.num_pages)
+    same("payload K bytes", m.num_pages * page_bytes, payload.k.numel())
+    same("payload V bytes", m.num_pages * page_bytes, payload.v.numel())
+    got = page_checksums(payload)
+    bad = [j for j, (a, b) in enumerate(zip(m.page_checksums, got, strict=True)) if a != b]
+    if bad:
+        j = bad[0]
+        raise _fail(m, f"page_checksums[{j}] (reserved page {r.page_ids[j]}; {len(bad)} of {m.num_pages} "
+                    f"pages differ)", f"{m.page_checksums[j]:#018x}", f"{got[j]:#018x}")

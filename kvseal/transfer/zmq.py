@@ -1,0 +1,268 @@
+"""The default KV transport: ZeroMQ over TCP (one host or many).
+
+Wire, per transfer: DEALER (sender, one per destination endpoint) -> ROUTER (receiver) multipart message
+    [TransferHeader (msgpack: transfer id + KVManifest), K bytes, V bytes]
+sent with copy=False, so libzmq reads straight from the payload's contiguous buffers; the payload must not be
+modified after send(). The receiver answers on the same connection with one TransferReply (msgpack).
+No pickles: a frame that does not decode into the expected struct is refused.
+
+Threading: one instance per thread (ZeroMQ sockets are not thread-safe); see base.Transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from kvseal.errors import ErrorInfo, TransferTimeout, TransferVerificationFailed, WorkerFailed
+from kvseal.transfer.base import Arrival, TransferHandle, TransferState, TransferStatus, Transport
+from kvseal.transfer.manifest import SCHEMA_VERSION, KVManifest, PagePayload
+
+log = logging.getLogger("kvseal.transfer")
+
+Mutate = Callable[[KVManifest, PagePayload], tuple[KVManifest, PagePayload]]
+
+
+class TransferHeader(msgspec.Struct, frozen=True, kw_only=True):
+    transfer_id: str
+    manifest: KVManifest
+    v: int = SCHEMA_VERSION
+
+
+class TransferReply(msgspec.Struct, frozen=True, kw_only=True):
+    transfer_id: str
+    ok: bool
+    error: ErrorInfo | None = None  # set when ok is False: the receiver's original error
+    v: int = SCHEMA_VERSION
+
+
+class _TransferIdOnly(msgspec.Struct):  # salvages the id of a malformed header, to nack it
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    handle: TransferHandle
+    deadline: float  # time.monotonic()
+    timeout_s: float
+
+
+class ZmqTransport(Transport):
+    """Sender and/or receiver over ZeroMQ/TCP.
+
+    timeout_s: a sent transfer with no answer after this long is TIMED_OUT (per send() override possible).
+    mutate: test-only fault injection, applied to (manifest, payload) just before they go on the wire.
+    hwm: messages (whole transfers) queued per peer and direction before send() reports FAILED.
+    max_frame_bytes: the receiver drops peers that send a larger frame (bounds memory); None: no bound.
+    """
+
+    def __init__(self, *, timeout_s: float = 30.0, mutate: Mutate | None = None, hwm: int = 1000,
+                 io_threads: int = 1, max_frame_bytes: int | None = None,
+                 keepalive_idle_s: int = 30) -> None:
+        super().__init__()
+        if timeout_s <= 0 or hwm < 1 or io_threads < 1:
+            raise ValueError(f"invalid ZmqTransport(timeout_s={timeout_s}, hwm={hwm}, io_threads={io_threads}):"
+                             " give a positive timeout, hwm and io_threads")
+        self.timeout_s, self._mutate, self._hwm = timeout_s, mutate, hwm
+        self._max_frame = -1 if max_frame_bytes is None else max_frame_bytes
+        self._keepalive_idle = keepalive_idle_s
+        self._ctx = zmq.Context(io_threads=io_threads)
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}  # endpoint -> its one DEALER
+        self._pending: dict[str, _Pending] = {}  # transfer id -> in flight, no answer yet
+        self._done: dict[str, TransferStatus] = {}  # transfer id -> terminal status not yet polled
+        self._router: zmq.Socket[bytes] | None = None
+        self._endpoint: str | None = None
+        self._closed = False
+        self._enc = msgspec.msgpack.Encoder()
+        self._header_dec = msgspec.msgpack.Decoder(TransferHeader)
+        self._id_dec = msgspec.msgpack.Decoder(_TransferIdOnly)
+        self._reply_dec = msgspec.msgpack.Decoder(TransferReply)
+
+    # -- sockets ----------------------------------------------------------------------------------------
+    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+        if self._closed:
+            raise RuntimeError("the transport is closed")
+        s: zmq.Socket[bytes] = self._ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, self._hwm)
+        s.setsockopt(zmq.RCVHWM, self._hwm)
+        s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        s.setsockopt(zmq.TCP_KEEPALIVE_IDLE, self._keepalive_idle)
+        s.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 5)
+        s.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+        return s
+
+    def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
+        sock = self._dealers.get(endpoint)
+        if sock is None:
+            sock = self._socket(zmq.DEALER)
+            sock.connect(endpoint)
+            self._dealers[endpoint] = sock
+        return sock
+
+    # -- sender -----------------------------------------------------------------------------------------
+    def send(self, endpoint: str, manifest: KVManifest, payload: PagePayload, *,
+             timeout_s: float | None = None) -> TransferHandle:
+        self._own()
+        if self._mutate is not None:
+            manifest, payload = self._mutate(manifest, payload)
+        handle = TransferHandle(secrets.token_hex(8), endpoint, manifest.request_id)
+        header = self._enc.encode(TransferHeader(transfer_id=handle.transfer_id, manifest=manifest))
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            sock = self._dealer(endpoint)
+            # Whole multipart messages are queued atomically: NOBLOCK fails before any part goes, or not at all.
+            sock.send_multipart([header, payload.k.numpy().data, payload.v.numpy().data], flags=zmq.NOBLOCK,
+                               copy=False)
+        except zmq.Again:
+            self._done[handle.transfer_id] = _failed(
+                f"KV transfer of request {manifest.request_id!r} to {endpoint}: the send queue is full "
+                f"({self._hwm} transfers); the decode worker is not reading")
+        except zmq.ZMQError as e:
+            self._done[handle.transfer_id] = _failed(
+                f"KV transfer of request {manifest.request_id!r} to {endpoint} could not be sent: {e}")
+        else:
+            self._pending[handle.transfer_id] = _Pending(handle, time.monotonic() + timeout, timeout)
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferStatus:
+        self._own()
+        tid = handle.transfer_id
+        self._drain(handle.endpoint)
+        if tid in self._done:
+            return self._done.pop(tid)
+        pending = self._pending.get(tid)
+        if pending is None:
+            raise KeyError(f"unknown transfer {tid}: never sent, aborted, or its outcome was already polled")
+        if time.monotonic() >= pending.deadline:
+            del self._pending[tid]
+            return TransferStatus(TransferState.TIMED_OUT, TransferTimeout(
+                f"the decode worker at {handle.endpoint} did not acknowledge the KV of request "
+                f"{handle.request_id!r} within {pending.timeout_s:g}s").to_info())
+        return TransferStatus(TransferState.PENDING)
+
+    def abort(self, handle: TransferHandle) -> None:
+        self._own()
+        self._pending.pop(handle.transfer_id, None)
+        self._done.pop(handle.transfer_id, None)
+
+    def _drain(self, endpoint: str) -> None:
+        """Read every answer already waiting on `endpoint`'s DEALER; never blocks."""
+        sock = self._dealers.get(endpoint)
+        while sock is not None:
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = self._reply_dec.decode(frames[0]) if len(frames) == 1 else None
+            except msgspec.DecodeError:
+                reply = None
+            if reply is None:
+                log.warning("dropping a malformed transfer reply from %s", endpoint)
+                continue
+            pending = self._pending.pop(reply.transfer_id, None)
+            if pending is None:
+                continue  # aborted or timed out: a late answer changes nothing
+            if reply.v != SCHEMA_VERSION:
+                status = _failed(f"the decode worker at {endpoint} answers with transfer schema v{reply.v}, "
+                                 f"this worker speaks v{SCHEMA_VERSION}: run one kvseal version")
+            elif reply.ok:
+                status = TransferStatus(TransferState.ACKED)
+            else:
+                status = TransferStatus(TransferState.REJECTED, reply.error or WorkerFailed(
+                    f"the decode worker at {endpoint} refused the KV without saying why").to_info())
+            self._done[reply.transfer_id] = status
+
+    # -- receiver ---------------------------------------------------------------------------------------
+    def listen(self, bind_endpoint: str) -> str:
+        self._own()
+        if self._router is not None:
+            raise RuntimeError(f"already listening on {self._endpoint}")
+        addr = bind_endpoint
+        if addr.startswith("tcp://") and addr.rsplit(":", 1)[1] in ("0", "*"):
+            addr = addr.rsplit(":", 1)[0] + ":*"  # the OS picks a free port; no guess-and-retry
+        sock = self._socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an answer to a vanished sender fails instead of vanishing
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+        try:
+            sock.bind(addr)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            raise OSError(f"cannot listen for KV transfers on {bind_endpoint}: {e}") from e
+        self._router = sock
+        self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self._endpoint
+
+    def recv(self, timeout_s: float) -> Arrival | None:
+        self._own()
+        if self._router is None:
+            raise RuntimeError("recv() before listen()")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._router.poll(wait_ms, zmq.POLLIN):
+                return None
+            frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            arrival = self._parse(frames)
+            if arrival is not None:
+                return arrival
+
+    def _parse(self, frames: list[zmq.Frame]) -> Arrival | None:
+        peer, parts = frames[0].bytes, frames[1:]
+        try:
+            header = self._header_dec.decode(parts[0].buffer)
+        except (msgspec.DecodeError, IndexError) as e:
+            self._refuse(peer, parts, f"malformed transfer header: {e}")
+            return None
+        if header.v != SCHEMA_VERSION or len(parts) != 3:
+            self._refuse(peer, parts, f"transfer of {len(parts)} frames with schema v{header.v}; expected 3 "
+                         f"frames with schema v{SCHEMA_VERSION}: run one kvseal version on all workers")
+            return None
+        payload = PagePayload.from_buffers(parts[1].buffer, parts[2].buffer, header.manifest.num_pages)
+        tid = header.transfer_id
+        return Arrival(tid, header.manifest, payload, lambda ok, err: self._reply(peer, tid, ok, err))
+
+    def _refuse(self, peer: bytes, parts: list[zmq.Frame], why: str) -> None:
+        try:
+            tid = self._id_dec.decode(parts[0].buffer).transfer_id
+        except (msgspec.DecodeError, IndexError):
+            log.warning("dropping an unreadable KV transfer: %s", why)
+            return
+        log.warning("refusing KV transfer %s: %s", tid, why)
+        self._reply(peer, tid, False, TransferVerificationFailed(why).to_info())
+
+    def _reply(self, peer: bytes, transfer_id: str, ok: bool, error: ErrorInfo | None) -> bool:
+        self._own()
+        if self._router is None:
+            return False
+        msg = self._enc.encode(TransferReply(transfer_id=transfer_id, ok=ok, error=error))
+        try:
+            self._router.send_multipart([peer, msg], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # EHOSTUNREACH (sender gone) or EAGAIN (sender not reading)
+            log.warning("could not answer KV transfer %s: %s", transfer_id, e)
+            return False
+        return True
+
+    # -- lifetime ---------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close every socket (LINGER 0: queued, unsent transfers are dropped). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for sock in [*self._dealers.values(), *([self._router] if self._router is not None else [])]:
+            sock.close(0)
+        self._dealers.clear()
+        self._router = None
+        self._pending.clear()
+        self._ctx.term()
+
+
+def _failed(message: str) -> TransferStatus:
+    return TransferStatus(TransferState.FAILED, WorkerFailed(message).to_info())

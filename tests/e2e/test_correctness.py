@@ -1,0 +1,94 @@
+"""Seal 10 for the engine: greedy ids equal Hugging Face transformers' for the same GGUF weights (fp32),
+alone and batched, including a >1,000-token prompt prefilled in chunks. One differing token fails."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvseal.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvseal.engine.engine import Engine
+from kvseal.engine.messages import GenerateRequest, SamplingParams
+from kvseal.model.checkpoint import Checkpoint
+from kvseal.model.loader import default_model_path
+
+pytestmark = pytest.mark.e2e
+NEW_TOKENS = 48
+
+
+def _prompts(ck: Checkpoint) -> list[list[int]]:
+    tok = ck.tokenizer
+    chats = [
+        "What is the capital of France?",
+        "Write a Python function that checks whether a number is prime, and explain it.",
+        "List three facts about the moon.",
+    ]
+    out = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}]), add_special_tokens=False)
+           for c in chats]
+    story = " ".join(f"Day {i}: the caravan crossed dune number {i * 7 % 31} and counted {i * 13 % 97} stars."
+                     for i in range(1, 90))
+    long_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": story + " Summarize the trip."}]),
+                          add_special_tokens=False)
+    assert len(long_ids) > 1000, len(long_ids)
+    out.append(long_ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smol: Checkpoint) -> tuple[list[list[int]], list[list[int]]]:
+    """transformers loads the GGUF itself; greedy continuation by its own KV cache, EOS not special-cased."""
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    model.eval()
+    prompts, refs = _prompts(smol), []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model(torch.tensor([ids]), use_cache=True)
+            past, new = out.past_key_values, []
+            for _ in range(NEW_TOKENS):
+                nxt = int(out.logits[0, -1].argmax())
+                new.append(nxt)
+                out = model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+            refs.append(new)
+    return prompts, refs
+
+
+def _engine(ck: Checkpoint, budget: int = 256) -> Engine:
+    return Engine(EngineConfig(cache=CacheConfig(page_size=16, pool_tokens=8192),
+                               scheduler=SchedulerConfig(max_num_batched_tokens=budget)), ck)
+
+
+def _run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(GenerateRequest(f"r{i}", ids, params))
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    finals: dict[str, str] = {}
+    while engine.has_work():
+        for d in engine.step():
+            got[d.request_id].extend(d.token_ids)
+            if d.final:
+                finals[d.request_id] = d.final
+    assert finals == {k: "length" for k in got}
+    return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_greedy_alone_equals_transformers(smol: Checkpoint, hf_reference) -> None:
+    prompts, refs = hf_reference
+    engine = _engine(smol)
+    for ids, ref in zip(prompts, refs):
+        assert _run(engine, [ids]) == [ref]
+    engine.allocator.check_integrity()
+    assert engine.allocator.num_free == engine.pool.num_pages
+
+
+def test_greedy_batched_equals_transformers(smol: Checkpoint, hf_reference) -> None:
+    prompts, refs = hf_reference
+    engine = _engine(smol, budget=512)
+    assert _run(engine, prompts) == refs
+    assert engine.allocator.num_free == engine.pool.num_pages

@@ -1,0 +1,97 @@
+"""The unified server as a real process, driven by the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers.procs import Server
+
+pytestmark = pytest.mark.e2e
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = Server(["--unified", "--max-model-len", "2048", "--kv-pool-tokens", "8192"])
+    try:
+        yield s.ready()
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0, timeout=120)
+
+
+def test_chat_names_paris(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=40,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 10 and r.usage.completion_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_and_length(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="The first three planets are", max_tokens=8,
+                                  temperature=0, logprobs=2)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    assert len(r.choices[0].logprobs.tokens) == 8
+    assert all(len(t) == 2 for t in r.choices[0].logprobs.top_logprobs)
+
+
+def test_streaming_equals_whole_and_reports_usage(client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": "Name two colors."}]
+    whole = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=30, messages=msgs)
+    chunks = list(client.chat.completions.create(model=MODEL, temperature=0, max_tokens=30, messages=msgs,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_streaming_completion(client: openai.OpenAI) -> None:
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10,
+                                            temperature=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks)
+
+
+def test_errors_are_openai_shaped(server: Server, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="word " * 3000, max_tokens=10)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=9)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * (9 * 2**20)}, timeout=30)
+    assert r.status_code == 413 and "error" in r.json()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=10,
+                                  extra_body={"stream": True, "max_tokens": 5000})
+    assert e.value.code == "context_length_exceeded"  # a stream that cannot run is never a 200
+    ok = client.completions.create(model=MODEL, prompt="Still up?", max_tokens=3, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_models_and_info(server: Server) -> None:
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 2048
+    info = httpx.get(server.url + "/info").json()
+    for key in ("model_fingerprint", "context_window", "pool_tokens", "page_size", "kv_dtype", "role"):
+        assert key in info
+    assert info["context_window"] == 2048 and info["pool_tokens"] == 8192 and info["role"] == "unified"
+    assert info["free_pages"] == info["pool_pages"]  # seal 8: nothing held between requests

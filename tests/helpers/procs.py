@@ -1,0 +1,76 @@
+"""Start real kvseal processes on loopback for integration and end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import IO
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A kvseal subprocess whose output goes to a temp file (shown when a wait fails)."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.log: IO[bytes] = tempfile.NamedTemporaryFile(prefix="kvseal-", suffix=".log", delete=False)
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.p = subprocess.Popen([sys.executable, "-m", "kvseal", *args], stdout=self.log,
+                                  stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def wait_http(self, url: str, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"process exited with {self.p.returncode}:\n{self.output()[-4000:]}")
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{url} not ready after {timeout}s:\n{self.output()[-4000:]}")
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        return self.p.wait(timeout)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(10)
+        return self.p.returncode
+
+
+class Server(Proc):
+    def __init__(self, extra: list[str] | None = None, env: dict[str, str] | None = None,
+                 command: str = "serve") -> None:
+        self.port = free_port()
+        super().__init__([command, "--port", str(self.port), *(extra or [])], env)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def ready(self, timeout: float = 180.0) -> Server:
+        self.wait_http(self.url + "/health", timeout)
+        return self
