@@ -67,7 +67,77 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes, api_keys=tuple(a.api_key))
 
 
+def engine_argv(a: argparse.Namespace) -> list[str]:
+    """The engine flags of `a` as a command line, to start workers with the same settings."""
+    argv = [a.model] if a.model else []
+    argv += ["--dtype", a.dtype, "--device", a.device, "--page-size", str(a.page_size),
+             "--kv-scrub", "on" if a.kv_scrub else "off", "--max-num-seqs", str(a.max_num_seqs),
+             "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-waiting", str(a.max_waiting),
+             "--wait-timeout", str(a.wait_timeout), "--seed", str(a.seed), "--log-level", a.log_level]
+    for flag, value in (("--max-model-len", a.max_model_len), ("--kv-pool-tokens", a.kv_pool_tokens),
+                        ("--kv-pool-bytes", a.kv_pool_bytes), ("--served-model-name", a.served_model_name)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _endpoint(hostport: str) -> str:
+    return hostport if "://" in hostport else f"tcp://{hostport}"
+
+
+def cmd_worker(a: argparse.Namespace) -> int:
+    from kvseal.engine.disagg import DecodeEngine, PrefillEngine
+    from kvseal.faults import from_env, warn_if_on
+    from kvseal.worker.decode import DecodeWorker
+    from kvseal.worker.prefill import PrefillWorker
+
+    faults = from_env()
+    warn_if_on(faults, f"kvseal {a.command}")
+    cfg = engine_config(a)
+    bind = f"tcp://{a.host}:{a.port}"
+    if a.command == "prefill":
+        PrefillWorker(PrefillEngine(cfg), bind, faults, a.transfer_timeout).run()
+    else:
+        DecodeWorker(DecodeEngine(cfg), bind, f"tcp://{a.kv_host or a.host}:{a.kv_port}", faults,
+                     a.reservation_timeout).run()
+    return 0
+
+
+def run_router(a: argparse.Namespace, prefill: list[str], decode: list[str]) -> int:
+    import uvicorn
+
+    from kvseal.model.loader import load_tokenizer
+    from kvseal.router.api import build_app
+    from kvseal.router.disagg import DisaggBackend
+
+    tokenizer, name = load_tokenizer(a.model)
+    backend = DisaggBackend(tokenizer, a.served_model_name or name, prefill, decode,
+                            max_model_len=a.max_model_len, wait_timeout_s=a.wait_timeout)
+    scfg = server_config(a)
+    logging.getLogger("kvseal").info("router on http://%s:%d: prefill %s, decode %s", scfg.host, scfg.port,
+                                     prefill, decode)
+    uvicorn.run(build_app(backend, scfg), host=scfg.host, port=scfg.port, log_level=a.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def cmd_router(a: argparse.Namespace) -> int:
+    if not a.prefill or not a.decode:
+        print("kvseal router: give at least one --prefill HOST:PORT and one --decode HOST:PORT", file=sys.stderr)
+        return 2
+    return run_router(a, [_endpoint(x) for x in a.prefill], [_endpoint(x) for x in a.decode])
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
+    if a.unified:
+        return cmd_serve_unified(a)
+    from kvseal.launch import Fleet
+
+    with Fleet(engine_argv(a), a.prefill, a.decode) as fleet:
+        return run_router(a, fleet.prefill_endpoints, fleet.decode_endpoints)
+
+
+def cmd_serve_unified(a: argparse.Namespace) -> int:
     import uvicorn
 
     from kvseal.engine.engine import Engine
@@ -97,7 +167,41 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve, 8000)
     serve.add_argument("--unified", action="store_true",
                        help="run prefill and decode in one process (the single-process engine)")
+    serve.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill worker processes")
+    serve.add_argument("--decode", type=int, default=1, metavar="M", help="decode worker processes")
     serve.set_defaults(func=cmd_serve)
+
+    for role in ("prefill", "decode"):
+        w = sub.add_parser(role, help=f"run one {role} worker (for a cluster: one per host or GPU)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        add_engine_args(w)
+        w.add_argument("--host", default="127.0.0.1", help="address of the control socket")
+        w.add_argument("--port", type=int, default=0, help="control port (0: any free port)")
+        w.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+        if role == "prefill":
+            w.add_argument("--transfer-timeout", type=float, default=60.0,
+                           help="seconds to wait for decode to acknowledge a KV handoff")
+        else:
+            w.add_argument("--kv-host", default=None, help="address for incoming KV (default: --host)")
+            w.add_argument("--kv-port", type=int, default=0, help="port for incoming KV (0: any free port)")
+            w.add_argument("--reservation-timeout", type=float, default=120.0,
+                           help="seconds a page reservation waits for its KV before it is released")
+        w.set_defaults(func=cmd_worker)
+
+    router = sub.add_parser("router", help="serve the OpenAI API in front of prefill and decode workers",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    router.add_argument("model", nargs="?", default=None, help="the checkpoint (for its tokenizer)")
+    router.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
+                        help="a prefill worker's control endpoint (repeatable)")
+    router.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
+                        help="a decode worker's control endpoint (repeatable)")
+    router.add_argument("--max-model-len", type=int, default=None,
+                        help="the context window to serve (default: the workers' model window)")
+    router.add_argument("--served-model-name", default=None, help="the model id in the API")
+    router.add_argument("--wait-timeout", type=float, default=60.0,
+                        help="seconds a request may wait for decode pages before it gets 503")
+    add_server_args(router, 8000)
+    router.set_defaults(func=cmd_router)
     return parser
 
 

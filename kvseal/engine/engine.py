@@ -13,20 +13,26 @@ import msgspec
 import torch
 
 from kvseal.config import EngineConfig
-from kvseal.engine.messages import GenerateDelta, GenerateRequest, TokenLogprob
+from kvseal.engine.messages import SCHEMA_VERSION, GenerateDelta, GenerateRequest, TokenLogprob
 from kvseal.engine.runner import ModelRunner
 from kvseal.engine.sampling import sample
 from kvseal.engine.scheduler import Scheduler
 from kvseal.engine.sequence import Sequence
-from kvseal.errors import (ContextLengthExceeded, InvalidRequest, KvsealError, Overloaded,
-                           PageOwnershipViolation, RequestAborted)
+from kvseal.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    KvsealError,
+    Overloaded,
+    PageOwnershipViolation,
+    RequestAborted,
+)
 from kvseal.kv.allocator import PageAllocator
 from kvseal.kv.pool import KVPool, pool_num_pages
 from kvseal.lifecycle import FinishReason, State
 from kvseal.model.checkpoint import Checkpoint
+from kvseal.model.detokenize import IncrementalDecoder
 from kvseal.model.llama import LlamaModel
 from kvseal.model.loader import load_checkpoint
-from kvseal.model.detokenize import IncrementalDecoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,7 +86,8 @@ class Engine:
         }
 
     def has_work(self) -> bool:
-        return bool(self.seqs) or bool(self._out)
+        """True while a step would do something: sequences to run or outputs to hand out."""
+        return self.scheduler.num_unfinished > 0 or bool(self._out)
 
     # -- requests ------------------------------------------------------------------------------------
     def validate(self, num_prompt: int, max_tokens: int) -> None:
@@ -97,14 +104,19 @@ class Engine:
             )
 
     def add_request(self, req: GenerateRequest) -> None:
-        gen = None
-        if not req.params.greedy:
-            seed = req.params.seed
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._rng).item())
-            gen = torch.Generator(device="cpu").manual_seed(seed)
-        seq = Sequence(req, self.allocator.new_owner(), IncrementalDecoder(self.tokenizer), gen)
+        seq = self._admit(req)
+        if seq is not None:
+            self.scheduler.add(seq)
+
+    def _admit(self, req: GenerateRequest) -> Sequence | None:
+        """Validate and register a request (ADMITTED); a refusal ends it REJECTED with its final delta."""
+        seed = req.params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng).item())
+        seq = Sequence(req, self.allocator.new_owner(), IncrementalDecoder(self.tokenizer), seed)
         try:
+            if req.v != SCHEMA_VERSION:
+                raise InvalidRequest(f"message schema v{req.v} is not v{SCHEMA_VERSION}: upgrade the peer")
             if req.request_id in self.seqs:
                 raise InvalidRequest(f"request id {req.request_id!r} is already in use")
             self.validate(len(req.prompt_ids), req.params.max_tokens)
@@ -115,10 +127,10 @@ class Engine:
         except KvsealError as err:
             seq.life.reject(err)
             self._out.append(self._final(seq))
-            return
+            return None
         seq.life.advance(State.ADMITTED)
         self.seqs[req.request_id] = seq
-        self.scheduler.add(seq)
+        return seq
 
     def abort(self, request_id: str, cause: KvsealError | None = None) -> None:
         seq = self.seqs.get(request_id)
@@ -152,14 +164,19 @@ class Engine:
                     f"request {s.request_id}: its page table names pages it does not own; no output")))
             if result.logits is not None:
                 tokens, lps = sample(result.logits, [s.params for s in result.sampled],
-                                     [s.generator for s in result.sampled])
+                                     [s.seed for s in result.sampled],
+                                     [len(s.output_ids) for s in result.sampled])
                 for seq, tok, lp in zip(result.sampled, tokens, lps):
-                    self._append(seq, tok, lp)
+                    self._on_sampled(seq, tok, lp)
         out, self._out = self._out, []
         return out
 
+    def _on_sampled(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> None:
+        """A sequence's next token is due; the prefill engine hands off here instead."""
+        self._append(seq, tok, lp)
+
     def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> None:
-        if seq.life.state is State.PREFILLING:
+        if seq.life.state in (State.PREFILLING, State.VERIFIED):
             seq.life.advance(State.DECODING)
         p = seq.params
         seq.output_ids.append(tok)

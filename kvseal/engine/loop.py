@@ -53,7 +53,7 @@ class EngineLoop:
         def run() -> None:
             try:
                 fut.set_result(fn(self.engine))
-            except BaseException as exc:  # delivered to the caller
+            except BaseException as exc:  # noqa: BLE001 - delivered to the caller
                 fut.set_exception(exc)
 
         self._inbox.put(run)
@@ -73,7 +73,7 @@ class EngineLoop:
                 continue
             try:
                 out = self.engine.step()
-            except Exception:
+            except Exception:  # noqa: BLE001 - any engine fault fails its requests, never the loop
                 log.error("engine step failed; failing its requests:\n%s", traceback.format_exc())
                 out = self.engine.fail_all(InternalError("the engine failed while running this request"))
             if out:

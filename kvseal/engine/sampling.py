@@ -6,14 +6,29 @@ import torch
 
 from kvseal.engine.messages import SamplingParams, TokenLogprob
 
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed for output token `index` of a request seeded with `seed` (splitmix64).
+
+    Each token's draw depends only on (seed, index), so the same seed gives the same output whatever else
+    shares the batch, after a preemption, and whichever worker (prefill or decode) samples the token.
+    """
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
 
 def sample(
     logits: torch.Tensor,  # (B, V) float32
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    seeds: list[int],  # per row: the request's seed (ignored for greedy rows)
+    indices: list[int],  # per row: how many tokens the request has already generated
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per row. Greedy rows take the argmax; the others sample with their own generator, so a
-    seeded request draws the same tokens whatever else shares its batch."""
+    """One token per row. Greedy rows take the argmax; the others draw from a generator seeded by
+    draw_seed(seed, index)."""
     tokens: list[int] = [0] * logits.shape[0]
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if greedy_rows:
@@ -34,7 +49,8 @@ def sample(
             drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        gen = torch.Generator(device="cpu").manual_seed(draw_seed(seeds[i], indices[i]))
+        tokens[i] = int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
 
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from kvseal.engine.messages import GenerateRequest, SamplingParams, TokenLogprob
 from kvseal.kv.allocator import Owner
 from kvseal.lifecycle import Lifecycle
@@ -18,8 +16,7 @@ from kvseal.model.detokenize import IncrementalDecoder
 
 
 class Sequence:
-    def __init__(self, req: GenerateRequest, owner: Owner, decoder: IncrementalDecoder,
-                 generator: torch.Generator | None) -> None:
+    def __init__(self, req: GenerateRequest, owner: Owner, decoder: IncrementalDecoder, seed: int) -> None:
         self.request_id = req.request_id
         self.prompt_ids: list[int] = list(req.prompt_ids)
         self.params: SamplingParams = req.params
@@ -30,7 +27,7 @@ class Sequence:
         self.num_computed = 0
         self.output_ids: list[int] = []
         self.decoder = decoder
-        self.generator = generator
+        self.seed = seed  # sampling seed: the request's own, or one the engine drew for it
         self.text = ""  # all output text so far (stop strings removed once found)
         self.sent_chars = 0  # how much of `text` has been emitted
         self.sent_tokens = 0

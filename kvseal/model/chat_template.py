@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 class _GenerationBlock(jinja2.ext.Extension):
     """Accepts `{% generation %}...{% endgeneration %}` (transformers' assistant-mask tag) as a no-op."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares Extension.tags as a plain set attribute)
 
     def parse(self, parser: Any) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -91,7 +91,10 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r}")
+            # ValueError, not TypeError: a malformed request body is a value problem for the API layer.
+            raise ValueError(  # noqa: TRY004
+                f"messages[{i}] must be a dict with 'role' and 'content', got {message!r}"
+            )
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{i}] needs a non-empty string 'role', got {role!r}")

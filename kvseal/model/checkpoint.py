@@ -84,5 +84,5 @@ def weights_fingerprint(weights: dict[str, torch.Tensor]) -> str:
         h.update(str(tuple(t.shape)).encode())
         h.update(str(t.dtype).encode())
         if t.numel():
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return "sha256:" + h.hexdigest()[:32]

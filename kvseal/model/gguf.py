@@ -102,6 +102,13 @@ def arch_from_gguf(reader: gguf.GGUFReader) -> ModelArch:
     vocab = gguf_field(reader, f"{arch}.vocab_size")
     if vocab is None:  # older files: the embedding's row count (GGUF shapes are [in, out])
         vocab = int(next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight"))
+    head_dim = int(key_length) if key_length is not None else hidden // heads
+    rope_dims = gguf_field(reader, f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise ValueError(
+            f"GGUF {arch}.rope.dimension_count={rope_dims} differs from head_dim={head_dim}; "
+            "partial rotary embeddings are not supported"
+        )
     return ModelArch(
         family=arch,
         vocab_size=int(vocab),
@@ -110,7 +117,7 @@ def arch_from_gguf(reader: gguf.GGUFReader) -> ModelArch:
         num_layers=int(_require(reader, f"{arch}.block_count")),
         num_heads=heads,
         num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(key_length) if key_length is not None else hidden // heads,
+        head_dim=head_dim,
         rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_eps=float(_require(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         max_position=int(_require(reader, f"{arch}.context_length")),
@@ -128,14 +135,15 @@ def _dequantize(tensor: Any, arch: ModelArch, hf_name: str) -> torch.Tensor:
             f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which the installed gguf "
             f"package cannot dequantize ({e}); re-quantize the model to a supported type (e.g. Q8_0, Q4_K)"
         ) from e
+    if tensor.tensor_type == gguf.GGMLQuantizationType.F32:
+        w = np.array(w, copy=True)  # F32 comes back as a view of the read-only memory map
     shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF lists dims innermost first
     w = np.asarray(w, dtype=np.float32).reshape(shape)
     if arch.family == "llama" and ".attn_q." in tensor.name:
         w = reverse_permute(w, arch.num_heads)
     elif arch.family == "llama" and ".attn_k." in tensor.name:
         w = reverse_permute(w, arch.num_kv_heads)
-    # Copy: F32 tensors come back as views of the read-only memory map.
-    return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+    return torch.from_numpy(np.ascontiguousarray(w))
 
 
 def checkpoint_name(path: Path, reader: gguf.GGUFReader) -> str:

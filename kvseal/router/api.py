@@ -22,8 +22,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvseal.config import ServerConfig
 from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams, TokenLogprob
-from kvseal.errors import (ContextLengthExceeded, InternalError, InvalidRequest, KvsealError, ModelNotFound,
-                           NotFound)
+from kvseal.errors import (
+    ContextLengthExceeded,
+    InternalError,
+    InvalidRequest,
+    KvsealError,
+    ModelNotFound,
+    NotFound,
+)
 from kvseal.router.backend import Backend
 from kvseal.router.bodylimit import BodyLimit
 from kvseal.router.openai_format import ResponseBuilder, chat_logprobs, completion_logprobs, usage

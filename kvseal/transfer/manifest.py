@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -110,8 +111,6 @@ def _bytes_tensor(buf: memoryview | bytes) -> torch.Tensor:
     if mv.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     if mv.readonly:  # torch warns on read-only buffers; these are only ever read (hash, copy out)
-        import warnings
-
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             return torch.frombuffer(mv, dtype=torch.uint8)

@@ -11,7 +11,7 @@ import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import gguf
 
@@ -43,7 +43,7 @@ _ORIGINAL_READER = gguf.GGUFReader
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_reader(path: str, mode: str) -> gguf.GGUFReader:
+def _cached_reader(path: str, mode: Literal["r", "r+", "c"]) -> gguf.GGUFReader:
     return _ORIGINAL_READER(path, mode)
 
 

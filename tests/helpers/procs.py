@@ -24,7 +24,7 @@ class Proc:
     """A kvseal subprocess whose output goes to a temp file (shown when a wait fails)."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.log: IO[bytes] = tempfile.NamedTemporaryFile(prefix="kvseal-", suffix=".log", delete=False)
+        self.log: IO[bytes] = tempfile.NamedTemporaryFile(prefix="kvseal-", suffix=".log", delete=False)  # noqa: SIM115
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.p = subprocess.Popen([sys.executable, "-m", "kvseal", *args], stdout=self.log,
                                   stderr=subprocess.STDOUT, env=full_env, start_new_session=True)

@@ -9,6 +9,7 @@ chat template), then returns the folder. Load it with kvseal's `load_hf_folder` 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -88,21 +89,23 @@ def make_tiny_llama(tmp_dir: str | Path, family: str, tie: bool, seed: int = 0) 
     folder = Path(tmp_dir) / f"tiny-{family}-{'tied' if tie else 'untied'}"
     folder.mkdir(parents=True, exist_ok=True)
     vocab_size = _save_tokenizer(folder, family)
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+    }
+    config: Any
+    model_cls: Any
     if family == "llama":
         config, model_cls = LlamaConfig(**common), LlamaForCausalLM
     else:
@@ -112,7 +115,7 @@ def make_tiny_llama(tmp_dir: str | Path, family: str, tie: bool, seed: int = 0) 
     with torch.no_grad():
         # Random init leaves norms at 1 and biases at 0; perturb them so a wrong mapping cannot pass.
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith(("norm.weight", ".bias")):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(str(folder))
     return str(folder)

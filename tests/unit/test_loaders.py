@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Iterator
@@ -154,10 +155,10 @@ def test_hf_folder_bf16_shards_eos_list_and_rope(tiny_root: Path) -> None:
 
 
 def test_hf_config_variants() -> None:
-    base: dict[str, Any] = dict(
-        model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-    )
+    base: dict[str, Any] = {
+        "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32,
+    }
     legacy = arch_from_hf_config(
         {**base, "rope_theta": 1e4, "rope_scaling": {"type": "longrope", "short_factor": [1.0, 2.0],
                                                        "extra": {"b": 1, "a": [2]}}}, "cfg")
@@ -166,10 +167,13 @@ def test_hf_config_variants() -> None:
     )
     hash(legacy)
     assert arch_from_hf_config({**base, "model_type": "mistral", "sliding_window": None}, "cfg").family == "llama"
-    for bad, needle in [({"model_type": "gpt2"}, "model_type='gpt2'"),
-                        ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16"),
-                        ({"hidden_act": "gelu"}, "hidden_act"),
-                        ({"attention_bias": True}, "attention_bias")]:
+    bad_configs: list[tuple[dict[str, Any], str]] = [
+        ({"model_type": "gpt2"}, "model_type='gpt2'"),
+        ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"attention_bias": True}, "attention_bias"),
+    ]
+    for bad, needle in bad_configs:
         with pytest.raises(ValueError, match=needle):
             arch_from_hf_config({**base, **bad}, "cfg")
 
@@ -189,7 +193,7 @@ def test_tiny_gguf_round_trip(tiny_root: Path, family: str, pre: str, capsys: py
     got = load_checkpoint(str(gguf_dir), progress=True)  # a folder holding exactly one .gguf
     assert "dequantizing" in capsys.readouterr().err
     assert got.name == f"tiny-{family}" and got.source == path
-    assert got.arch == ModelArch(**{**hf.arch.__dict__, "rms_eps": got.arch.rms_eps})
+    assert got.arch == dataclasses.replace(hf.arch, rms_eps=got.arch.rms_eps)  # eps is float32 in a GGUF
     assert got.arch.rms_eps == pytest.approx(1e-6, rel=1e-6)
     for name, tensor in hf.weights.items():
         if name == q8:

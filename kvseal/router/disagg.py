@@ -1,0 +1,221 @@
+"""The disaggregated backend: drive each request through reserve -> prefill -> verified handoff -> decode.
+
+The router keeps the request's one Lifecycle. It never yields a token before decode verified the handoff
+(decode only streams after verification), a prefill refusal releases the decode reservation and reaches
+the client with its original error (seal 3), and every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq.asyncio
+
+from kvseal.engine.messages import GenerateDelta, GenerateRequest
+from kvseal.errors import ErrorInfo, KvsealError, Overloaded, RequestAborted, TransferTimeout, WorkerFailed
+from kvseal.lifecycle import FinishReason, Lifecycle, State
+from kvseal.model.tokenizer import Tokenizer
+from kvseal.router.registry import check_fleet, served_window
+from kvseal.router.workers import WorkerClient
+from kvseal.worker import protocol as P
+
+log = logging.getLogger("kvseal.router")
+
+
+class DisaggBackend:
+    def __init__(self, tokenizer: Tokenizer, model_name: str | None, prefill: list[str], decode: list[str],
+                 max_model_len: int | None = None, startup_timeout_s: float = 300.0,
+                 handoff_timeout_s: float = 300.0, stall_timeout_s: float = 120.0,
+                 wait_timeout_s: float = 60.0) -> None:
+        self.tokenizer = tokenizer
+        self._name = model_name
+        self.model_name = model_name or ""
+        self.prefill_eps, self.decode_eps = prefill, decode
+        self.max_model_len = max_model_len
+        self.startup_timeout_s, self.handoff_timeout_s = startup_timeout_s, handoff_timeout_s
+        self.stall_timeout_s, self.wait_timeout_s = stall_timeout_s, wait_timeout_s
+        self.context_window = 0
+        self.prefills: list[WorkerClient] = []
+        self.decodes: list[WorkerClient] = []
+        self.lifecycles: dict[str, Lifecycle] = {}  # live requests only
+        self.ended: dict[str, int] = {s.value: 0 for s in (State.FINISHED, State.REJECTED, State.ABORTED,
+                                                           State.FAILED)}
+        self._ctx: zmq.asyncio.Context | None = None
+
+    # -- fleet ----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self.prefills = [WorkerClient("prefill", ep, self._ctx) for ep in self.prefill_eps]
+        self.decodes = [WorkerClient("decode", ep, self._ctx) for ep in self.decode_eps]
+        workers = self.prefills + self.decodes
+        for w in workers:
+            w.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        for w in workers:
+            while True:
+                try:
+                    await w.fetch_info(timeout=2.0)
+                    break
+                except WorkerFailed:
+                    if time.monotonic() > deadline:
+                        raise WorkerFailed(f"{w.name} did not come up within {self.startup_timeout_s:g}s")
+        infos = [(w.name, w.info) for w in workers]
+        self.context_window = served_window(infos, self.max_model_len)
+        check_fleet(infos, self.context_window)
+        self.model_name = self._name or str(workers[0].info["model"])
+        log.info("serving %s from %d prefill and %d decode workers; context window %d tokens",
+                 self.model_name, len(self.prefills), len(self.decodes), self.context_window)
+
+    async def stop(self) -> None:
+        for w in self.prefills + self.decodes:
+            await w.close()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    async def healthy(self) -> bool:
+        return any(w.alive for w in self.prefills) and any(w.alive for w in self.decodes)
+
+    async def info(self) -> dict[str, Any]:
+        workers = [{"role": w.role, "endpoint": w.endpoint, "alive": w.alive, "inflight": w.inflight,
+                    **w.info} for w in self.prefills + self.decodes]
+        return {"role": "router", "model": self.model_name, "context_window": self.context_window,
+                "model_fingerprint": workers[0].get("model_fingerprint"),
+                "pool_tokens": min(int(w.get("pool_tokens", 0)) for w in workers),
+                "page_size": workers[0].get("page_size"), "kv_dtype": workers[0].get("kv_dtype"),
+                "live_requests": len(self.lifecycles), "ended": dict(self.ended), "workers": workers}
+
+    def _pick(self, pool: list[WorkerClient]) -> WorkerClient:
+        live = [w for w in pool if w.alive]
+        if not live:
+            raise WorkerFailed(f"no live {pool[0].role} worker")
+        least = min(w.inflight for w in live)
+        return random.choice([w for w in live if w.inflight == least])
+
+    # -- one request ----------------------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        rid = req.request_id
+        life = Lifecycle(rid)
+        self.lifecycles[rid] = life
+        life.advance(State.ADMITTED)
+        prefill = decode = None
+        q: asyncio.Queue[GenerateDelta | ErrorInfo] | None = None
+        prefill_task: asyncio.Task[P.Message] | None = None
+        try:
+            prefill, decode = self._pick(self.prefills), self._pick(self.decodes)
+            prefill.inflight += 1
+            decode.inflight += 1
+            reservation = await self._reserve(decode, req)
+            life.advance(State.RESERVED)
+            q = decode.subscribe(rid)
+            life.advance(State.PREFILLING)
+            prefill_task = asyncio.ensure_future(prefill.call(
+                lambda cid: P.PrefillReq(call_id=cid, request=req, reservation=reservation),
+                self.handoff_timeout_s))
+            first = True
+            while True:
+                item = await self._next(q, prefill_task, prefill, decode, first, req)
+                if isinstance(item, ErrorInfo):
+                    raise KvsealError.from_info(item)
+                if first:
+                    life.advance(State.TRANSFERRING)  # decode streams only after it verified the KV
+                    life.advance(State.VERIFIED)
+                    life.advance(State.DECODING)
+                    first = False
+                if item.final is not None and item.error is not None:
+                    raise KvsealError.from_info(item.error)
+                if item.final is not None:
+                    life.finish(FinishReason(item.final))
+                yield item
+                if item.final is not None:
+                    return
+        except KvsealError as err:
+            before_transfer = life.state in (State.ADMITTED, State.RESERVED, State.PREFILLING)
+            if isinstance(err, RequestAborted):
+                life.abort(err)
+            elif before_transfer and err.status < 500:
+                life.reject(err)
+            else:
+                life.fail(err)
+            if decode is not None:
+                await self._safe_notify(decode, P.ReleaseReq(request_id=rid, error=err.to_info(),
+                                                              rejected=life.state is State.REJECTED))
+            if prefill is not None:
+                await self._safe_notify(prefill, P.AbortReq(request_id=rid, error=err.to_info()))
+            yield _final_error(req, life, err)
+        finally:
+            if not life.terminal:  # the consumer went away (client disconnect): abort on both sides
+                cause = RequestAborted("the client disconnected")
+                life.abort(cause)
+                for w in (decode, prefill):
+                    if w is not None:
+                        await self._safe_notify(w, P.AbortReq(request_id=rid, error=cause.to_info()))
+            if prefill_task is not None and not prefill_task.done():
+                prefill_task.cancel()
+            if q is not None and decode is not None:
+                decode.unsubscribe(rid)
+            for w in (prefill, decode):
+                if w is not None:
+                    w.inflight -= 1
+            self.lifecycles.pop(rid, None)
+            self.ended[life.state.value] = self.ended.get(life.state.value, 0) + 1
+
+    async def _reserve(self, decode: WorkerClient, req: GenerateRequest) -> Any:
+        """Reserve decode pages; a full decode pool is waited out (bounded), then 503."""
+        deadline = time.monotonic() + self.wait_timeout_s
+        while True:
+            resp = await decode.call(lambda cid: P.ReserveReq(call_id=cid, request=req), 30.0)
+            assert isinstance(resp, P.ReserveResp)
+            if resp.reservation is not None:
+                return resp.reservation
+            assert resp.error is not None
+            err = KvsealError.from_info(resp.error)
+            if not isinstance(err, Overloaded) or time.monotonic() > deadline:
+                raise err
+            await asyncio.sleep(0.05)
+
+    async def _next(self, q: asyncio.Queue[GenerateDelta | ErrorInfo], prefill_task: asyncio.Task[P.Message],
+                    prefill: WorkerClient, decode: WorkerClient, first: bool,
+                    req: GenerateRequest) -> GenerateDelta | ErrorInfo:
+        """The next delta from decode. Before the first one, a prefill failure ends the request."""
+        timeout = self.handoff_timeout_s if first else self.stall_timeout_s
+        get = asyncio.ensure_future(q.get())
+        waiting: set[asyncio.Future[Any]] = {get}
+        if first and not prefill_task.done():
+            waiting.add(prefill_task)
+        try:
+            done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not get.done():
+                get.cancel()
+        if get in done:
+            return get.result()
+        if prefill_task in done:
+            exc = prefill_task.exception()
+            if exc is not None:
+                return exc.to_info() if isinstance(exc, KvsealError) else WorkerFailed(str(exc)).to_info()
+            resp = prefill_task.result()
+            assert isinstance(resp, P.PrefillResp)
+            if resp.error is not None:
+                return resp.error
+            # handed off: decode verified and acked, its first delta is on the way
+            return await self._next(q, prefill_task, prefill, decode, first, req)
+        if first:
+            return TransferTimeout(f"no verified KV handoff for {req.request_id} within "
+                                   f"{self.handoff_timeout_s:g}s").to_info()
+        return WorkerFailed(f"{decode.name} produced nothing for {self.stall_timeout_s:g}s").to_info()
+
+    async def _safe_notify(self, w: WorkerClient, msg: P.Message) -> None:
+        try:
+            await w.notify(msg)
+        except Exception as exc:  # noqa: BLE001 - a dead peer frees its pages by its own timeouts
+            log.warning("could not notify %s: %s", w.name, exc)
+
+
+def _final_error(req: GenerateRequest, life: Lifecycle, err: KvsealError) -> GenerateDelta:
+    return GenerateDelta(req.request_id, [], "", final=life.state.value, error=err.to_info(),
+                         prompt_tokens=len(req.prompt_ids))
