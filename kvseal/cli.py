@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 import sys
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
@@ -40,9 +42,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait-timeout", type=float, default=60.0,
                    help="seconds a request may wait for KV pages before it gets 503")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch in this process (default: torch's choice; `kvseal serve` splits "
+                        "the cores among its workers)")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
+    if a.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, a.threads))
     return EngineConfig(
         model=ModelConfig(path=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                           served_name=a.served_model_name),
@@ -75,10 +84,17 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
              "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-waiting", str(a.max_waiting),
              "--wait-timeout", str(a.wait_timeout), "--seed", str(a.seed), "--log-level", a.log_level]
     for flag, value in (("--max-model-len", a.max_model_len), ("--kv-pool-tokens", a.kv_pool_tokens),
-                        ("--kv-pool-bytes", a.kv_pool_bytes), ("--served-model-name", a.served_model_name)):
+                        ("--kv-pool-bytes", a.kv_pool_bytes), ("--served-model-name", a.served_model_name),
+                        ("--threads", a.threads)):
         if value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+def _is_pool_flag(argv: list[str], i: int) -> bool:
+    """argv[i] is --kv-pool-tokens/--kv-pool-bytes or the value after one."""
+    flags = ("--kv-pool-tokens", "--kv-pool-bytes")
+    return argv[i] in flags or (i > 0 and argv[i - 1] in flags)
 
 
 def _endpoint(hostport: str) -> str:
@@ -94,6 +110,8 @@ def cmd_worker(a: argparse.Namespace) -> int:
     faults = from_env()
     warn_if_on(faults, f"kvseal {a.command}")
     cfg = engine_config(a)
+    if faults.incident:  # test-only: the 2026 bug did not scrub freed pages
+        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, scrub=False))
     bind = f"tcp://{a.host}:{a.port}"
     if a.command == "prefill":
         PrefillWorker(PrefillEngine(cfg), bind, faults, a.transfer_timeout).run()
@@ -110,9 +128,14 @@ def run_router(a: argparse.Namespace, prefill: list[str], decode: list[str]) -> 
     from kvseal.router.api import build_app
     from kvseal.router.disagg import DisaggBackend
 
+    from kvseal.faults import from_env, warn_if_on
+
+    faults = from_env()
+    warn_if_on(faults, "kvseal router")
     tokenizer, name = load_tokenizer(a.model)
     backend = DisaggBackend(tokenizer, a.served_model_name or name, prefill, decode,
-                            max_model_len=a.max_model_len, wait_timeout_s=a.wait_timeout)
+                            max_model_len=a.max_model_len, wait_timeout_s=a.wait_timeout,
+                            capacity_check=not faults.incident)
     scfg = server_config(a)
     logging.getLogger("kvseal").info("router on http://%s:%d: prefill %s, decode %s", scfg.host, scfg.port,
                                      prefill, decode)
@@ -133,7 +156,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return cmd_serve_unified(a)
     from kvseal.launch import Fleet
 
-    with Fleet(engine_argv(a), a.prefill, a.decode) as fleet:
+    argv = engine_argv(a)
+    if a.threads is None:  # workers share the cores instead of each spinning on all of them
+        argv += ["--threads", str(max(1, (os.cpu_count() or 1) // (a.prefill + a.decode)))]
+    prefill_argv = argv if a.prefill_kv_pool_tokens is None else [
+        *[x for i, x in enumerate(argv) if not _is_pool_flag(argv, i)],
+        "--kv-pool-tokens", str(a.prefill_kv_pool_tokens)]
+    with Fleet(prefill_argv, argv, a.prefill, a.decode) as fleet:
         return run_router(a, fleet.prefill_endpoints, fleet.decode_endpoints)
 
 
@@ -158,6 +187,12 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(a: argparse.Namespace) -> int:
+    from kvseal.audit.__main__ import run_audit
+
+    return run_audit(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvseal", description="A disaggregated LLM server with sealed KV.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run prefill and decode in one process (the single-process engine)")
     serve.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill worker processes")
     serve.add_argument("--decode", type=int, default=1, metavar="M", help="decode worker processes")
+    serve.add_argument("--prefill-kv-pool-tokens", type=int, default=None,
+                       help="a different KV pool size for the prefill workers (default: --kv-pool-tokens)")
     serve.set_defaults(func=cmd_serve)
 
     for role in ("prefill", "decode"):
@@ -202,6 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a request may wait for decode pages before it gets 503")
     add_server_args(router, 8000)
     router.set_defaults(func=cmd_router)
+
+    from kvseal.audit.__main__ import add_audit_args  # argparse only; the audit loads when it runs
+
+    audit = sub.add_parser("audit", help="canary leak audit of any OpenAI-compatible server "
+                           "(exit 0 clean, 1 violation, 2 could not run)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_audit_args(audit)
+    audit.set_defaults(func=cmd_audit)
     return parser
 
 

@@ -9,6 +9,12 @@ It is read once at worker start into a frozen Faults value that is passed explic
     KVSEAL_TEST_FAULTS="wrong_nonce"                a manifest with another nonce
     KVSEAL_TEST_FAULTS="wrong_request_id"           a manifest naming another request
     KVSEAL_TEST_FAULTS="prefill_reject_over=100"    prefill refuses prompts over 100 tokens (its own error)
+    KVSEAL_TEST_FAULTS="incident"                   the 2026 bug, back on purpose: a prompt over the prefill
+                                                    pool becomes a one-token placeholder that keeps flowing,
+                                                    decode skips verification, pages are not scrubbed, and the
+                                                    router only warns when a pool is smaller than the window
+    KVSEAL_TEST_FAULTS="control"                    no fault yet, but tests may set faults at run time
+                                                    through the SetFaultsReq control message
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import msgspec
 from kvseal.transfer.manifest import KVManifest, PagePayload
 
 ENV = "KVSEAL_TEST_FAULTS"
-_FLAGS = ("flip_byte", "short_pages", "short_tokens", "wrong_nonce", "wrong_request_id")
+_FLAGS = ("flip_byte", "short_pages", "short_tokens", "wrong_nonce", "wrong_request_id", "control", "incident")
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,10 @@ class Faults:
     @property
     def any(self) -> bool:
         return bool(self.flags) or self.prefill_reject_over is not None
+
+    @property
+    def incident(self) -> bool:
+        return "incident" in self.flags
 
     def mutate(self, m: KVManifest, p: PagePayload) -> tuple[KVManifest, PagePayload]:
         """Applied by the sender's transport just before the bytes go on the wire."""
@@ -54,7 +64,11 @@ class Faults:
 
 
 def from_env(environ: dict[str, str] | None = None) -> Faults:
-    raw = (environ if environ is not None else dict(os.environ)).get(ENV, "").strip()
+    return parse((environ if environ is not None else dict(os.environ)).get(ENV, ""))
+
+
+def parse(raw: str) -> Faults:
+    raw = raw.strip()
     if not raw:
         return Faults()
     flags: set[str] = set()

@@ -18,14 +18,14 @@ def _free_port() -> int:
 
 
 class Fleet:
-    def __init__(self, engine_argv: list[str], num_prefill: int, num_decode: int) -> None:
+    def __init__(self, prefill_argv: list[str], decode_argv: list[str], num_prefill: int, num_decode: int) -> None:
         if num_prefill < 1 or num_decode < 1:
             raise ValueError(f"invalid --prefill {num_prefill} / --decode {num_decode}: give at least 1 of each")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.prefill_endpoints: list[str] = []
         self.decode_endpoints: list[str] = []
-        for role, n, eps in (("prefill", num_prefill, self.prefill_endpoints),
-                             ("decode", num_decode, self.decode_endpoints)):
+        for role, n, eps, engine_argv in (("prefill", num_prefill, self.prefill_endpoints, prefill_argv),
+                                          ("decode", num_decode, self.decode_endpoints, decode_argv)):
             for _ in range(n):
                 port = _free_port()
                 eps.append(f"tcp://127.0.0.1:{port}")

@@ -165,7 +165,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
         )
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         gen = backend.generate(GenerateRequest(rid, ids, params, tenant=tenant))
-        builder = ResponseBuilder(rid, backend.model_name, chat)
+        builder = ResponseBuilder(rid, backend.model_name, chat, body.return_token_ids)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await stream(gen, builder, include_usage, chat)
@@ -179,11 +179,14 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
 
     async def whole(request: Request, gen: AsyncIterator[GenerateDelta], builder: ResponseBuilder,
                     chat: bool) -> JSONResponse:
+        ids: list[int] = []
+
         async def collect() -> tuple[str, list[TokenLogprob] | None, GenerateDelta]:
             parts: list[str] = []
             lps: list[TokenLogprob] | None = None
             async for d in gen:
                 parts.append(d.text)
+                ids.extend(d.token_ids)
                 if d.logprobs is not None:
                     lps = (lps or []) + d.logprobs
                 if d.final is not None:
@@ -206,7 +209,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
         if last.error is not None:
             return error_response(KvsealError.from_info(last.error))
         use = usage(last.prompt_tokens, last.completion_tokens)
-        return JSONResponse(builder.whole(text, last.final or "stop", format_lps(lps, chat, 0), use))
+        return JSONResponse(builder.whole(text, last.final or "stop", format_lps(lps, chat, 0), use, ids))
 
     async def stream(gen: AsyncIterator[GenerateDelta], builder: ResponseBuilder, include_usage: bool,
                      chat: bool) -> Any:
@@ -228,7 +231,8 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
                         return
                     finish = d.final
                     if d.text or d.logprobs or finish:
-                        yield _sse(builder.chunk(d.text, finish, format_lps(d.logprobs, chat, offset)))
+                        yield _sse(builder.chunk(d.text, finish, format_lps(d.logprobs, chat, offset),
+                                                 token_ids=d.token_ids))
                         offset += len(d.text)
                     if finish is not None:
                         if include_usage:

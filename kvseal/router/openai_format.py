@@ -43,33 +43,43 @@ def completion_logprobs(tokenizer: Tokenizer, lps: list[TokenLogprob], offset: i
 class ResponseBuilder:
     """Builds the objects of one response; `chat` selects chat.completion vs text_completion shapes."""
 
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
-        self.id, self.model, self.chat = request_id, model, chat
+    def __init__(self, request_id: str, model: str, chat: bool, token_ids: bool = False) -> None:
+        self.id, self.model, self.chat, self.token_ids = request_id, model, chat, token_ids
         self.created = int(time.time())
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish: str, logprobs: dict[str, Any] | None, use: dict[str, int]) -> dict[str, Any]:
+    def whole(self, text: str, finish: str, logprobs: dict[str, Any] | None, use: dict[str, int],
+              ids: list[int]) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": logprobs, "finish_reason": finish}
-            return {**self._base("chat.completion"), "choices": [choice], "usage": use}
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return {**self._base("text_completion"), "choices": [choice], "usage": use}
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice |= {"logprobs": logprobs, "finish_reason": finish}
+        if self.token_ids:
+            choice["token_ids"] = ids
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [choice], "usage": use}
 
     def chunk(self, text: str | None, finish: str | None, logprobs: dict[str, Any] | None,
-              role: bool = False) -> dict[str, Any]:
+              role: bool = False, token_ids: list[int] | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        return {**self._base("text_completion"), "choices": [choice]}
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        choice |= {"logprobs": logprobs, "finish_reason": finish}
+        if self.token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [choice]}
 
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

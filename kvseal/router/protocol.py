@@ -56,6 +56,7 @@ class _SamplingFields(BaseModel):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     user: str | None = None
     cache_salt: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: choices[0].token_ids holds the generated ids
 
     @field_validator("stop")
     @classmethod

@@ -22,7 +22,7 @@ log = logging.getLogger("kvseal.router")
 
 class WorkerClient:
     def __init__(self, role: str, endpoint: str, ctx: zmq.asyncio.Context, heartbeat_s: float = 1.0,
-                 dead_after_s: float = 10.0) -> None:
+                 dead_after_s: float = 60.0) -> None:
         self.role, self.endpoint = role, endpoint
         self.sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -42,12 +42,37 @@ class WorkerClient:
         return f"{self.role} worker {self.endpoint}"
 
     def start(self) -> None:
-        self._tasks = [asyncio.ensure_future(self._reader()), asyncio.ensure_future(self._heartbeat())]
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._tasks = [asyncio.ensure_future(self._reader()), asyncio.ensure_future(self._heartbeat()),
+                       asyncio.ensure_future(self._watch())]
+
+    async def _watch(self) -> None:
+        """A dropped TCP connection means the worker process died (or its host went away): fail its
+        requests at once instead of waiting for the heartbeat. A reconnect puts it back in rotation."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                if self.alive:
+                    log.error("%s disconnected; failing its requests", self.name)
+                self.alive = False
+                self._fail_all(WorkerFailed(f"{self.name} disconnected (the worker died or its host is gone)"))
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.alive:
+                try:
+                    await self.fetch_info(timeout=10.0)
+                    self.alive = True
+                    log.warning("%s reconnected; back in rotation", self.name)
+                except WorkerFailed:
+                    pass
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            self.sock.disable_monitor()
+            self._monitor.close(0)
         self.sock.close(0)
 
     async def call(self, make: Any, timeout: float) -> P.Message:

@@ -8,6 +8,8 @@ Pages are scrubbed and freed when decode acknowledges, or when the handoff fails
 from __future__ import annotations
 
 import logging
+
+import msgspec
 from dataclasses import dataclass
 
 from kvseal.engine.disagg import Handoff, PrefillEngine
@@ -38,14 +40,15 @@ class PrefillWorker(WorkerServer):
     def __init__(self, engine: PrefillEngine, bind: str, faults: Faults, transfer_timeout_s: float = 60.0) -> None:
         super().__init__(engine, bind, faults)
         self.pengine = engine
-        self.transport = ZmqTransport(timeout_s=transfer_timeout_s,
-                                      mutate=faults.mutate if faults.flags else None)
+        mutate = (lambda m, p: self.faults.mutate(m, p)) if faults.any else None  # noqa: E731 - test faults
+        self.transport = ZmqTransport(timeout_s=transfer_timeout_s, mutate=mutate)
         self.transport.register(engine.pool.k, engine.pool.v)
         self.jobs: dict[str, _Job] = {}
 
     def handle(self, ident: bytes, msg: P.Message) -> None:
         match msg:
             case P.PrefillReq(call_id=cid, request=req, reservation=res):
+                self.counters["requests_received"] += 1
                 rid = req.request_id
                 if rid in self.jobs:
                     raise InvalidRequest(f"request {rid} is already being prefilled")
@@ -56,6 +59,10 @@ class PrefillWorker(WorkerServer):
                         f"prefill worker policy refused a prompt of {len(req.prompt_ids)} tokens "
                         f"(limit {over})", code="prefill_policy"))
                     return
+                if self.faults.incident and len(req.prompt_ids) + req.params.max_tokens > self.engine.context_window:
+                    # THE 2026 BUG, test-only: "reject" by swapping in a one-token placeholder that keeps flowing
+                    req = msgspec.structs.replace(req, prompt_ids=req.prompt_ids[:1],
+                                                  params=msgspec.structs.replace(req.params, max_tokens=1))
                 self.engine.add_request(req)
             case P.AbortReq(request_id=rid, error=err):
                 job = self.jobs.pop(rid, None)

@@ -77,13 +77,21 @@ class AbortReq(_Msg, tag="abort"):
     error: ErrorInfo
 
 
+class SetFaultsReq(_Msg, tag="set_faults"):
+    """Test-only: replace a worker's injected faults. Refused unless KVSEAL_TEST_FAULTS includes "control"."""
+
+    call_id: int
+    spec: str  # the same syntax as the environment variable, "" for none
+
+
 class DeltaMsg(_Msg, tag="delta"):
     """decode -> router: new output of a request (after its KV was verified)."""
 
     delta: GenerateDelta
 
 
-Message = InfoReq | InfoResp | ReserveReq | ReserveResp | PrefillReq | PrefillResp | ReleaseReq | AbortReq | DeltaMsg
+Message = (InfoReq | InfoResp | ReserveReq | ReserveResp | PrefillReq | PrefillResp | ReleaseReq | AbortReq
+           | SetFaultsReq | DeltaMsg)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

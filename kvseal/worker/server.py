@@ -18,7 +18,8 @@ import zmq
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import InvalidRequest, KvsealError
-from kvseal.faults import Faults
+from kvseal import faults as faults_mod
+from kvseal.faults import Faults, warn_if_on
 from kvseal.worker import protocol as P
 
 log = logging.getLogger("kvseal.worker")
@@ -40,7 +41,7 @@ class WorkerServer:
         self._stop = False
         self._parent = os.getppid()
         self.counters: dict[str, int] = {"kv_bytes_sent": 0, "kv_bytes_received": 0, "transfers_acked": 0,
-                                         "transfers_refused": 0}
+                                         "transfers_refused": 0, "requests_received": 0}
 
     # -- plumbing ---------------------------------------------------------------------------------------
     def send(self, ident: bytes, msg: P.Message) -> None:
@@ -103,6 +104,12 @@ class WorkerServer:
                 self.send(ident, P.InfoResp(call_id=cid, info=self.info()))
             case P.AbortReq(request_id=rid, error=err):
                 self.engine.abort(rid, KvsealError.from_info(err))
+            case P.SetFaultsReq(call_id=cid, spec=spec):
+                if "control" not in self.faults.flags:
+                    raise InvalidRequest("fault injection is off in this worker")
+                self.faults = faults_mod.parse(spec + ",control")
+                warn_if_on(self.faults, f"kvseal {self.role}")
+                self.send(ident, P.InfoResp(call_id=cid, info=self.info()))
             case _:
                 raise InvalidRequest(f"a {self.role} worker does not take {type(msg).__name__}")
 

@@ -14,9 +14,10 @@ pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    s = Server(["--unified", "--max-model-len", "2048", "--kv-pool-tokens", "8192"])
+@pytest.fixture(scope="module", params=["unified", "disaggregated"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    mode = ["--unified"] if request.param == "unified" else []
+    s = Server([*mode, "--max-model-len", "2048", "--kv-pool-tokens", "8192"])
     try:
         yield s.ready()
     finally:
@@ -93,5 +94,8 @@ def test_models_and_info(server: Server) -> None:
     info = httpx.get(server.url + "/info").json()
     for key in ("model_fingerprint", "context_window", "pool_tokens", "page_size", "kv_dtype", "role"):
         assert key in info
-    assert info["context_window"] == 2048 and info["pool_tokens"] == 8192 and info["role"] == "unified"
-    assert info["free_pages"] == info["pool_pages"]  # seal 8: nothing held between requests
+    assert info["context_window"] == 2048 and info["pool_tokens"] == 8192
+    workers = info["workers"] if info["role"] == "router" else [info]
+    assert {w["role"] for w in workers} in ({"unified"}, {"prefill", "decode"})
+    for w in workers:  # seal 8: nothing held between requests
+        assert w["free_pages"] == w["pool_pages"]

@@ -74,3 +74,64 @@ class Server(Proc):
     def ready(self, timeout: float = 180.0) -> Server:
         self.wait_http(self.url + "/health", timeout)
         return self
+
+
+class Worker(Proc):
+    """`kvseal prefill|decode` on a free loopback port."""
+
+    def __init__(self, role: str, extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        self.role, self.port = role, free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        super().__init__([role, "--port", str(self.port), "--log-level", "info", *(extra or [])], env)
+
+    def ready(self, timeout: float = 180.0) -> Worker:
+        deadline = time.monotonic() + timeout
+        while "worker ready on" not in self.output():
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{self.role} worker exited with {self.p.returncode}:\n{self.output()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.role} worker not ready:\n{self.output()[-4000:]}")
+            time.sleep(0.2)
+        return self
+
+    def call(self, make: object, timeout: float = 30.0) -> object:
+        """Send one control message (make(call_id)) and return the decoded answer."""
+        import zmq
+
+        from kvseal.worker import protocol as P
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
+        try:
+            sock.connect(f"tcp://{self.endpoint}")
+            sock.send(P.encode(make(1)))  # type: ignore[operator]
+            return P.decode(sock.recv())
+        finally:
+            sock.close(0)
+            ctx.term()
+
+    def info(self) -> dict:
+        from kvseal.worker import protocol as P
+
+        resp = self.call(lambda cid: P.InfoReq(call_id=cid))
+        assert isinstance(resp, P.InfoResp)
+        return resp.info
+
+    def set_faults(self, spec: str) -> None:
+        from kvseal.worker import protocol as P
+
+        resp = self.call(lambda cid: P.SetFaultsReq(call_id=cid, spec=spec))
+        assert isinstance(resp, P.InfoResp), resp
+
+
+def wait_until(cond: object, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = cond()  # type: ignore[operator]
+        if last:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{what} did not hold within {timeout}s (last: {last!r})")

@@ -1,0 +1,233 @@
+"""Helpers shared by the benchmarks: statistics, per-request latency metrics, tables, prompts, machine facts,
+and a kvseal server subprocess on a free loopback port. Everything here except ServerProc and
+stream_completion is pure (no timing, no I/O) so it can be unit-tested on fixed inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+# -- statistics ----------------------------------------------------------------------------------------
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between closest ranks (numpy's default)."""
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def median(xs: Sequence[float]) -> float:
+    return percentile(xs, 50.0)
+
+
+# -- one run of N requests -------------------------------------------------------------------------------
+
+Arrivals = list[tuple[float, int]]  # (monotonic arrival time, tokens in that chunk/delta)
+
+
+def request_latency(t_send: float, arrivals: Arrivals, num_tokens: int | None = None) -> tuple[float, float]:
+    """(TTFT, TPOT) of one request. TPOT = (last arrival - first arrival) / (tokens - 1): the mean time per
+    output token after the first, as vLLM's benchmark defines it; NaN when only one token came back."""
+    if not arrivals:
+        return math.nan, math.nan
+    n = num_tokens if num_tokens is not None else sum(k for _, k in arrivals)
+    ttft = arrivals[0][0] - t_send
+    tpot = (arrivals[-1][0] - arrivals[0][0]) / (n - 1) if n > 1 else math.nan
+    return ttft, tpot
+
+
+def run_stats(requests: Sequence[tuple[float, Arrivals, int]]) -> dict[str, float]:
+    """Aggregate one run of concurrent requests, each (t_send, arrivals, output tokens)."""
+    start = min(t for t, _, _ in requests)
+    end = max(a[-1][0] for _, a, _ in requests if a)
+    tokens = sum(n for _, _, n in requests)
+    lat = [request_latency(t, a, n) for t, a, n in requests]
+    ttft = [x for x, _ in lat if not math.isnan(x)]
+    tpot = [y for _, y in lat if not math.isnan(y)]
+    return {"tok_s": tokens / (end - start), "tokens": float(tokens), "wall_s": end - start,
+            "ttft_median": median(ttft), "ttft_p99": percentile(ttft, 99),
+            "tpot_median": median(tpot), "tpot_p99": percentile(tpot, 99)}
+
+
+def median_of_runs(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Key by key median over repeats (NaNs dropped); the raw runs stay in the JSON next to it."""
+    keys = runs[0].keys() if runs else []
+    out = {}
+    for k in keys:
+        vals = [r[k] for r in runs if not math.isnan(r[k])]
+        out[k] = median(vals) if vals else math.nan
+    return out
+
+
+# -- formatting ----------------------------------------------------------------------------------------
+
+
+def fmt_num(x: float | None, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:,.{digits}f}"
+
+
+def fmt_ms(seconds: float | None) -> str:
+    if seconds is None or math.isnan(seconds):
+        return "—"
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.1f}"
+
+
+def fmt_ratio(x: float | None, ref: float | None) -> str:
+    """'1,234.5 (2.06×)': a throughput and its ratio to the reference; no ratio without a reference."""
+    if x is None or math.isnan(x):
+        return "—"
+    if ref is None or math.isnan(ref) or ref == 0:
+        return fmt_num(x)
+    return f"{fmt_num(x)} ({x / ref:.2f}×)"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), sep, *(line(r) for r in rows)])
+
+
+# -- workload ------------------------------------------------------------------------------------------
+
+
+def make_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """n distinct prompts of exactly `length` token ids, away from the low (special) ids."""
+    rng = random.Random(seed)
+    lo, hi = min(256, vocab_size // 4), vocab_size - 1
+    return [[rng.randint(lo, hi) for _ in range(length)] for _ in range(n)]
+
+
+def left_pad(batch: Sequence[Sequence[int]], pad_id: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Left-pad to the longest: (input_ids, attention_mask), as decoder-only batched generate wants."""
+    width = max(len(p) for p in batch)
+    ids = [[pad_id] * (width - len(p)) + list(p) for p in batch]
+    mask = [[0] * (width - len(p)) + [1] * len(p) for p in batch]
+    return ids, mask
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
+        flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    except OSError:
+        flags = []
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "isa": sorted({f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma"))}),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "transformers": tf_version, "python": platform.python_version(),
+            "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+
+
+# -- a kvseal server on loopback -------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProc:
+    """`python -m kvseal serve ... --port P` in its own process group (so the disaggregated fleet stops too)."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = ""  # the served model id, known once ready()
+        self.log = tempfile.NamedTemporaryFile(prefix="kvseal-bench-", suffix=".log", delete=False)  # noqa: SIM115
+        self.p = subprocess.Popen([sys.executable, "-m", "kvseal", "serve", *args, "--port", str(self.port),
+                                   "--log-level", "warning"], stdout=self.log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+
+    def output(self) -> str:
+        with open(self.log.name, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def ready(self, timeout: float = 600.0) -> ServerProc:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"server exited with {self.p.returncode}:\n{self.output()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    self.model = httpx.get(self.url + "/v1/models", timeout=10.0).json()["data"][0]["id"]
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.url} not ready after {timeout}s:\n{self.output()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, signal.SIGTERM)
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(10)
+            except ProcessLookupError:
+                pass
+        os.unlink(self.log.name)
+
+
+async def stream_completion(client: Any, url: str, model: str, prompt: list[int],
+                            max_tokens: int) -> tuple[float, Arrivals, int]:
+    """One streamed /v1/completions request (greedy, ignore_eos, usage at the end): (t_send, arrivals, tokens).
+
+    Each SSE chunk with a choice counts as one arrival; the token count comes from the usage chunk, since a
+    delta whose text is still empty (a partial UTF-8 sequence) is not sent as a chunk of its own."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    arrivals: Arrivals = []
+    n = 0
+    t_send = time.monotonic()
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now, obj = time.monotonic(), json.loads(line[6:])
+            if "error" in obj:
+                raise RuntimeError(f"stream error: {obj['error']}")
+            if obj.get("choices"):
+                arrivals.append((now, 1))
+            if obj.get("usage"):
+                n = int(obj["usage"]["completion_tokens"])
+    return t_send, arrivals, n

@@ -1,0 +1,129 @@
+"""The sealed handoff against real processes: bad KV is refused (seal 4), a prefill refusal reaches the
+client with its original error and moves no KV (seal 3), pools return to baseline (seal 8), and greedy
+output of the disaggregated path equals the unified engine token for token (seal 10)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from kvseal.config import CacheConfig, EngineConfig, ModelConfig
+from kvseal.engine.engine import Engine
+from kvseal.engine.messages import GenerateRequest, SamplingParams
+from kvseal.model.checkpoint import Checkpoint
+from tests.helpers.procs import Server, Worker, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.e2e]
+MODEL = "SmolLM2-135M-Instruct"
+ARGS = ["--max-model-len", "2048", "--kv-pool-tokens", "4096"]
+
+
+class Fleet:
+    def __init__(self) -> None:
+        self.prefill = Worker("prefill", ARGS, env={"KVSEAL_TEST_FAULTS": "control"})
+        self.decode = Worker("decode", ARGS)
+        self.prefill.ready()
+        self.decode.ready()
+        self.router = Server(["--prefill", self.prefill.endpoint, "--decode", self.decode.endpoint],
+                             command="router").ready()
+        self.client = openai.OpenAI(base_url=self.router.url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+    def at_baseline(self) -> bool:
+        p, d = self.prefill.info(), self.decode.info()
+        return (p["free_pages"] == p["pool_pages"] and d["free_pages"] == d["pool_pages"]
+                and d["reservations"] == 0 and p["running"] == p["waiting"] == 0
+                and d["running"] == d["waiting"] == 0)
+
+    def stop(self) -> None:
+        for proc in (self.router, self.prefill, self.decode):
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    f = Fleet()
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+@pytest.mark.parametrize("fault", ["short_pages", "short_tokens", "wrong_nonce", "wrong_request_id", "flip_byte"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_refuses_kv_that_is_not_what_it_reserved(fleet: Fleet, fault: str, stream: bool) -> None:
+    before = fleet.decode.info()
+    fleet.prefill.set_faults(fault)
+    try:
+        with pytest.raises(openai.APIStatusError) as e:
+            r = fleet.client.completions.create(model=MODEL, prompt="Tell me a story about a dragon.",
+                                                max_tokens=8, temperature=0, stream=stream)
+            list(r) if stream else None
+    finally:
+        fleet.prefill.set_faults("")
+    assert e.value.status_code == 502, e.value
+    assert e.value.code == "kv_verification_failed"
+    after = fleet.decode.info()
+    assert after["transfers_refused"] == before["transfers_refused"] + 1
+    assert after["transfers_acked"] == before["transfers_acked"]
+    wait_until(fleet.at_baseline, 30, "pools back to baseline")
+    ok = fleet.client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_prefill_refusal_reaches_client_with_its_error_and_moves_nothing(fleet: Fleet) -> None:
+    p0, d0 = fleet.prefill.info(), fleet.decode.info()
+    fleet.prefill.set_faults("prefill_reject_over=20")
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            fleet.client.completions.create(model=MODEL, prompt="word " * 60, max_tokens=4)
+    finally:
+        fleet.prefill.set_faults("")
+    assert e.value.code == "prefill_policy" and "prefill worker policy refused" in e.value.message
+    p1, d1 = fleet.prefill.info(), fleet.decode.info()
+    assert d1["requests_received"] == d0["requests_received"] + 1  # decode did reserve ...
+    assert p1["kv_bytes_sent"] == p0["kv_bytes_sent"]  # ... but no KV byte moved
+    assert d1["kv_bytes_received"] == d0["kv_bytes_received"]
+    wait_until(lambda: fleet.decode.info()["reservations"] == 0, 10, "reservation released")
+    wait_until(fleet.at_baseline, 30, "pools back to baseline")
+    ended = httpx.get(fleet.router.url + "/info").json()["ended"]
+    assert ended["rejected"] >= 1
+
+
+def _prompts(ck: Checkpoint) -> list[list[int]]:
+    tok = ck.tokenizer
+    texts = ["What is the capital of France?", "Write a haiku about the sea.",
+             "Explain what a CPU cache is.", " ".join(f"item {i} costs {i * 3} coins;" for i in range(50))]
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
+            for t in texts]
+
+
+def test_disaggregated_equals_unified_token_for_token(fleet: Fleet, smol: Checkpoint) -> None:
+    prompts = _prompts(smol)
+    assert max(len(p) for p in prompts) > 300  # several prefill chunks
+    engine = Engine(EngineConfig(model=ModelConfig(max_model_len=2048), cache=CacheConfig(pool_tokens=4096)), smol)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(GenerateRequest(str(i), ids, params))
+    ref: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work():
+        for d in engine.step():
+            ref[d.request_id].extend(d.token_ids)
+
+    def disagg(ids: list[int]) -> list[int]:
+        r = httpx.post(fleet.router.url + "/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    alone = [disagg(ids) for ids in prompts]
+    with ThreadPoolExecutor(len(prompts) * 2) as pool:
+        together = list(pool.map(disagg, prompts * 2))
+    expected = [ref[str(i)] for i in range(len(prompts))]
+    assert alone == expected
+    assert together == expected * 2
+    wait_until(fleet.at_baseline, 30, "pools back to baseline")
