@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from kvseal.errors import KvsealError
+
+if TYPE_CHECKING:
+    from kvseal.router.disagg import DisaggBackend
 
 
 def _on_off(v: str) -> bool:
@@ -124,11 +130,10 @@ def cmd_worker(a: argparse.Namespace) -> int:
 def run_router(a: argparse.Namespace, prefill: list[str], decode: list[str]) -> int:
     import uvicorn
 
+    from kvseal.faults import from_env, warn_if_on
     from kvseal.model.loader import load_tokenizer
     from kvseal.router.api import build_app
     from kvseal.router.disagg import DisaggBackend
-
-    from kvseal.faults import from_env, warn_if_on
 
     faults = from_env()
     warn_if_on(faults, "kvseal router")
@@ -139,9 +144,21 @@ def run_router(a: argparse.Namespace, prefill: list[str], decode: list[str]) -> 
     scfg = server_config(a)
     logging.getLogger("kvseal").info("router on http://%s:%d: prefill %s, decode %s", scfg.host, scfg.port,
                                      prefill, decode)
+    try:  # seal 7 before the first request: a fleet that cannot hold the window never serves
+        asyncio.run(_probe(backend))
+    except KvsealError as err:
+        print(f"kvseal router: refusing to start: {err.message}", file=sys.stderr)
+        return 3
     uvicorn.run(build_app(backend, scfg), host=scfg.host, port=scfg.port, log_level=a.log_level,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+async def _probe(backend: DisaggBackend) -> None:
+    try:
+        await backend.start()
+    finally:
+        await backend.stop()
 
 
 def cmd_router(a: argparse.Namespace) -> int:

@@ -7,9 +7,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-import pytest  # noqa: E402
+import pytest
 
-from kvseal.model.checkpoint import Checkpoint  # noqa: E402
+from kvseal.model.checkpoint import Checkpoint
 
 
 @pytest.fixture(scope="session")

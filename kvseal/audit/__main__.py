@@ -79,7 +79,7 @@ async def _audit(a: argparse.Namespace, base: str) -> int:
     deadline = t0 + a.max_duration
     async with make_client(base, a.timeout, a.concurrency, a.api_key) as client:
         try:
-            model, advertised, source = await discover(client, a.model)
+            model, advertised, source = await discover(client, a.model, min(a.timeout, a.max_duration))
         except AuditSetupError as exc:
             print(f"kvseal audit: {exc}", file=sys.stderr)
             return 2
@@ -93,7 +93,8 @@ async def _audit(a: argparse.Namespace, base: str) -> int:
             print(f"kvseal audit: context window {window} is too small for --max-tokens {a.max_tokens}",
                   file=sys.stderr)
             return 2
-        cpt, cal_secret = await calibrate(client, model, window, a.timeout)
+        cpt, cal_secret = await calibrate(client, model, window,
+                                          max(min(a.timeout, deadline - time.monotonic()), 0.1))
         sizing = sizing_from_calibration(window, a.max_tokens, cpt)
         solo, load = build_plan(a.requests, a.over_window, a.consistency_prompts, window, a.max_tokens,
                                 not a.no_stream, random.Random(seed))

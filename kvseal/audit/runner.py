@@ -57,11 +57,11 @@ def make_client(base_url: str, timeout: float, concurrency: int, api_key: str | 
         limits=httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2))
 
 
-async def discover(client: httpx.AsyncClient, model: str | None) -> tuple[str, int | None, str]:
+async def discover(client: httpx.AsyncClient, model: str | None, timeout: float) -> tuple[str, int | None, str]:
     """(model id, advertised context window or None, which field said so) from GET /v1/models."""
     try:
-        r = await client.get("/v1/models")
-    except httpx.HTTPError as exc:
+        r = await asyncio.wait_for(client.get("/v1/models"), timeout)
+    except (httpx.HTTPError, TimeoutError) as exc:
         raise AuditSetupError(f"cannot reach {client.base_url}v1/models: {exc!r}") from exc
     if r.status_code != 200:
         raise AuditSetupError(f"GET /v1/models answered {r.status_code}: {r.text[:200]}")

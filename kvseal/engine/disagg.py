@@ -16,11 +16,24 @@ import time
 from dataclasses import dataclass
 
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateDelta, GenerateRequest, TokenLogprob
+from kvseal.engine.messages import GenerateRequest, TokenLogprob
 from kvseal.engine.sequence import Sequence
-from kvseal.errors import KvsealError, Overloaded, TransferTimeout
+from kvseal.errors import KvsealError, Overloaded, TransferTimeout, TransferVerificationFailed
 from kvseal.kv.allocator import OutOfPages
 from kvseal.lifecycle import State
+from kvseal.transfer.manifest import (
+    KVManifest,
+    PagePayload,
+    Reservation,
+    build_manifest,
+    dtype_name,
+    new_nonce,
+    new_reservation_id,
+    pack_pages,
+    page_nbytes,
+    unpack_into,
+    verify,
+)
 
 
 @dataclass
@@ -50,6 +63,17 @@ class PrefillEngine(Engine):
         self.handoffs[seq.request_id] = h
         self._ready.append(h)
 
+    def package(self, h: Handoff, reservation: Reservation) -> tuple[KVManifest, PagePayload]:
+        """The prompt's pages, packed page-major, and the manifest that describes them to decode."""
+        payload = pack_pages(self.pool.k, self.pool.v, h.seq.pages[: h.num_pages])
+        lp = h.first_logprob
+        manifest = build_manifest(
+            reservation, payload, num_tokens=len(h.seq.prompt_ids), first_token=h.first_token,
+            model_fingerprint=self.fingerprint, page_size=self.pool.page_size, kv_dtype=dtype_name(self.dtype),
+            kv_layout=self.kv_layout, first_logprob=None if lp is None else lp.logprob,
+            first_top=[] if lp is None else lp.top)
+        return manifest, payload
+
     def end_handoff(self, request_id: str, error: KvsealError | None) -> None:
         """Decode acknowledged (error None: release, decode owns the request now) or it did not (FAILED)."""
         h = self.handoffs.pop(request_id, None)
@@ -73,9 +97,42 @@ class DecodeEngine(Engine):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, role="decode", **kwargs)  # type: ignore[misc, arg-type]
         self.reserved: dict[str, tuple[Sequence, float]] = {}  # request id -> (seq, deadline)
+        self.reservations: dict[str, Reservation] = {}  # request id -> what was promised to prefill
 
-    def reserve(self, req: GenerateRequest, timeout_s: float) -> Sequence:
-        """Allocate pages for the prompt's KV. Raises the request's error (nothing is held) on refusal."""
+    def reserve(self, req: GenerateRequest, timeout_s: float, kv_endpoint: str) -> Reservation:
+        """Set pages aside for the prompt's KV. Raises the request's error (nothing is held) on refusal."""
+        seq = self._reserve_pages(req, timeout_s)
+        res = Reservation(
+            request_id=req.request_id, reservation_id=new_reservation_id(), nonce=new_nonce(),
+            num_tokens=len(req.prompt_ids), page_ids=list(seq.pages), model_fingerprint=self.fingerprint,
+            page_size=self.pool.page_size, kv_dtype=dtype_name(self.dtype), kv_layout=self.kv_layout,
+            kv_endpoint=kv_endpoint)
+        self.reservations[req.request_id] = res
+        return res
+
+    def accept(self, manifest: KVManifest, payload: PagePayload, check: bool = True) -> None:
+        """KV arrived: verify it against the reservation (seal 4), write it into the reserved pages and admit
+        the request. On any mismatch the request FAILS (pages scrubbed and freed) and the error is raised
+        for the sender's nack. `check=False` exists only for the test-only incident fault."""
+        rid = manifest.request_id
+        res = self.reservations.pop(rid, None)
+        entry = self.reserved.get(rid)
+        if res is None or entry is None:
+            raise TransferVerificationFailed(f"KV arrived for request {rid!r}, which holds no reservation here")
+        entry[0].life.advance(State.TRANSFERRING)
+        try:
+            if check:
+                verify(manifest, res, payload, expected_fingerprint=self.fingerprint,
+                       page_bytes=page_nbytes(self.pool.k))
+        except TransferVerificationFailed as err:
+            self.release(rid, err, rejected=False)
+            raise
+        unpack_into(self.pool.k, self.pool.v, res.page_ids[: payload.num_pages], payload)
+        m = manifest
+        lp = None if m.first_logprob is None else TokenLogprob(m.first_token, m.first_logprob, list(m.first_top))
+        self.admit_verified(rid, m.first_token, lp)
+
+    def _reserve_pages(self, req: GenerateRequest, timeout_s: float) -> Sequence:
         seq = self._admit(req)
         if seq is None:
             final = self._out.pop()
@@ -91,15 +148,6 @@ class DecodeEngine(Engine):
         self.reserved[req.request_id] = (seq, time.monotonic() + timeout_s)
         return seq
 
-    def begin_transfer(self, request_id: str) -> Sequence | None:
-        entry = self.reserved.get(request_id)
-        if entry is None:
-            return None
-        seq = entry[0]
-        if seq.life.state is State.RESERVED:
-            seq.life.advance(State.TRANSFERRING)
-        return seq
-
     def admit_verified(self, request_id: str, first_token: int, first_logprob: TokenLogprob | None) -> None:
         """The arrived KV matched the reservation and sits in seq.pages: join the batch."""
         seq, _ = self.reserved.pop(request_id)
@@ -111,6 +159,7 @@ class DecodeEngine(Engine):
 
     def release(self, request_id: str, error: KvsealError, rejected: bool) -> None:
         """End a reservation before its KV was used: REJECTED (prefill refused) or FAILED."""
+        self.reservations.pop(request_id, None)
         entry = self.reserved.pop(request_id, None)
         if entry is None:
             self.abort(request_id, error)
@@ -127,9 +176,5 @@ class DecodeEngine(Engine):
 
     def abort(self, request_id: str, cause: KvsealError | None = None) -> None:
         self.reserved.pop(request_id, None)
+        self.reservations.pop(request_id, None)
         super().abort(request_id, cause)
-
-    def take_outputs(self) -> list[GenerateDelta]:
-        """Outputs produced outside step() (releases, expiries, first tokens)."""
-        out, self._out = self._out, []
-        return out

@@ -56,6 +56,7 @@ class Engine:
         num_pages = pool_num_pages(arch, cfg.cache, self.dtype, default_tokens=2 * model_window)
         self.pool = KVPool(arch, num_pages, cfg.cache.page_size, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages, scrubber=self.pool.scrub if cfg.cache.scrub else None)
+        self.kv_layout = f"L{arch.num_layers}xPxSx{arch.num_kv_heads}x{arch.head_dim}"
         # The served window: what the model supports, the operator allows, and the pool can hold.
         self.context_window = min(model_window, self.pool.capacity_tokens)
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, cfg.cache.page_size)
@@ -77,7 +78,7 @@ class Engine:
             "free_pages": self.allocator.num_free,
             "page_size": self.pool.page_size,
             "kv_dtype": str(self.dtype).removeprefix("torch."),
-            "kv_layout": f"L{self.arch.num_layers}xPxSx{self.arch.num_kv_heads}x{self.arch.head_dim}",
+            "kv_layout": self.kv_layout,
             "kv_bytes_per_token": self.pool.bytes_per_token,
             "kv_scrub": self.cfg.cache.scrub,
             "device": str(self.device),

@@ -17,7 +17,15 @@ from typing import Any
 import zmq.asyncio
 
 from kvseal.engine.messages import GenerateDelta, GenerateRequest
-from kvseal.errors import ErrorInfo, KvsealError, Overloaded, RequestAborted, TransferTimeout, WorkerFailed
+from kvseal.errors import (
+    CapacityMismatch,
+    ErrorInfo,
+    KvsealError,
+    Overloaded,
+    RequestAborted,
+    TransferTimeout,
+    WorkerFailed,
+)
 from kvseal.lifecycle import FinishReason, Lifecycle, State
 from kvseal.model.tokenizer import Tokenizer
 from kvseal.router.registry import check_fleet, served_window

@@ -8,16 +8,16 @@ Pages are scrubbed and freed when decode acknowledges, or when the handoff fails
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import msgspec
-from dataclasses import dataclass
 
 from kvseal.engine.disagg import Handoff, PrefillEngine
 from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import InvalidRequest, KvsealError
 from kvseal.faults import Faults
 from kvseal.transfer.base import TransferHandle, TransferState
-from kvseal.transfer.manifest import Reservation, build_manifest, dtype_name, pack_pages
+from kvseal.transfer.manifest import Reservation
 from kvseal.transfer.zmq import ZmqTransport
 from kvseal.worker import protocol as P
 from kvseal.worker.server import WorkerServer
@@ -40,7 +40,7 @@ class PrefillWorker(WorkerServer):
     def __init__(self, engine: PrefillEngine, bind: str, faults: Faults, transfer_timeout_s: float = 60.0) -> None:
         super().__init__(engine, bind, faults)
         self.pengine = engine
-        mutate = (lambda m, p: self.faults.mutate(m, p)) if faults.any else None  # noqa: E731 - test faults
+        mutate = (lambda m, p: self.faults.mutate(m, p)) if faults.any else None
         self.transport = ZmqTransport(timeout_s=transfer_timeout_s, mutate=mutate)
         self.transport.register(engine.pool.k, engine.pool.v)
         self.jobs: dict[str, _Job] = {}
@@ -107,14 +107,7 @@ class PrefillWorker(WorkerServer):
         if job is None:  # aborted meanwhile
             self.pengine.end_handoff(rid, None)
             return
-        e = self.pengine
-        payload = pack_pages(e.pool.k, e.pool.v, h.seq.pages[: h.num_pages])
-        lp = h.first_logprob
-        manifest = build_manifest(
-            job.reservation, payload, num_tokens=len(h.seq.prompt_ids), first_token=h.first_token,
-            model_fingerprint=e.fingerprint, page_size=e.pool.page_size, kv_dtype=dtype_name(e.dtype),
-            kv_layout=e.info()["kv_layout"], first_logprob=None if lp is None else lp.logprob,  # type: ignore[arg-type]
-            first_top=[] if lp is None else lp.top)
+        manifest, payload = self.pengine.package(h, job.reservation)
         job.handle = self.transport.send(job.reservation.kv_endpoint, manifest, payload)
         job.nbytes = payload.nbytes
         self.counters["kv_bytes_sent"] += payload.nbytes

@@ -15,10 +15,10 @@ from typing import Any
 import msgspec
 import zmq
 
+from kvseal import faults as faults_mod
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import InvalidRequest, KvsealError
-from kvseal import faults as faults_mod
 from kvseal.faults import Faults, warn_if_on
 from kvseal.worker import protocol as P
 

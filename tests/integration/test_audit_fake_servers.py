@@ -3,7 +3,8 @@
 - good: echoes each request's own secret, rejects prompts above its window with a 400 context_length_exceeded;
 - incident: what the GLM-5.3 incident looked like from outside: prompts above the window get a 200 whose text
   carries a secret of an EARLIER request (stale KV), in-window prompts behave;
-- sloppy: plain-text 500s for over-window prompts and streams that stop without [DONE].
+- sloppy: plain-text 500s for over-window prompts and streams that stop without [DONE];
+- slow: never answers in time (per-request timeouts and the whole-run deadline).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def fake_app(mode: str) -> FastAPI:
 
     async def handle(request: Request, chat: bool) -> Response:
         body = await request.json()
+        if mode == "slow":
+            await asyncio.sleep(30)
         prompt = ("\n".join(m["content"] for m in body["messages"]) if chat else body["prompt"])
         tokens = len(prompt) // 4 + 1
         found = SECRET.findall(prompt)
@@ -94,7 +97,7 @@ def serve(app: FastAPI) -> Iterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -174,3 +177,21 @@ def test_unreachable_server_exits_2(tmp_path: Path) -> None:
     sock.close()  # nothing listens here now
     assert audit_main([f"http://127.0.0.1:{port}", "--report", str(tmp_path / "r.json")]) == 2
     assert audit_main(["ftp://127.0.0.1:1", "--report", str(tmp_path / "r.json")]) == 2
+
+
+def test_run_deadline_cancels_and_exits_2(tmp_path: Path) -> None:
+    gen = serve(fake_app("slow"))
+    url = next(gen)
+    out = tmp_path / "slow.json"
+    try:
+        t0 = time.monotonic()
+        rc = audit_main([url, "--requests", "20", "--concurrency", "4", "--over-window", "2",
+                         "--consistency-prompts", "0", "--timeout", "1", "--max-duration", "3", "--report", str(out)])
+        assert time.monotonic() - t0 < 10
+    finally:
+        gen.close()
+    assert rc == 2
+    report = json.loads(out.read_text())
+    assert report["verdict"] == "INCONCLUSIVE" and not report["calibrated"] and report["completed"] == 0
+    outcomes = {r["outcome"] for r in report["requests"]}
+    assert outcomes == {"timeout", "cancelled"} and report["cancelled"] > 0

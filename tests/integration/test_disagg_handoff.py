@@ -19,7 +19,7 @@ from tests.helpers.procs import Server, Worker, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 MODEL = "SmolLM2-135M-Instruct"
-ARGS = ["--max-model-len", "2048", "--kv-pool-tokens", "4096"]
+ARGS = ["--max-model-len", "2048", "--kv-pool-tokens", "4096", "--max-num-batched-tokens", "128"]
 
 
 class Fleet:

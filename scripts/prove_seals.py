@@ -1,0 +1,108 @@
+"""Break each seal on purpose and check that its tests fail, then restore the code.
+
+    .venv/bin/python scripts/prove_seals.py            # the fast (unit) mutations
+    .venv/bin/python scripts/prove_seals.py --all      # also the ones that need real processes
+
+Each mutation replaces one snippet of source with a broken version, runs the named tests, and expects
+them to FAIL. The source is restored afterwards whatever happens. Exit 1 if any mutation survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (seal, file, original snippet, broken snippet, tests, needs real processes)
+MUTATIONS = [
+    ("1 one terminal state", "kvseal/lifecycle.py",
+     "        if self.terminal:\n            return False\n        self.outcome = outcome",
+     "        self.outcome = outcome",
+     ["tests/unit/test_lifecycle.py"], False),
+    ("2 no stand-ins (finish only from DECODING)", "kvseal/lifecycle.py",
+     "        if self.state is not State.DECODING:\n            raise IllegalTransition",
+     "        if False:\n            raise IllegalTransition",
+     ["tests/unit/test_lifecycle.py"], False),
+    ("5 owned pages only", "kvseal/engine/runner.py",
+     "        return [s for s in batch.seqs if not self.allocator.owns(s.owner, s.pages)]",
+     "        return []",
+     ["tests/unit/test_engine.py"], False),
+    ("6 freed pages are empty", "kvseal/engine/engine.py",
+     "scrubber=self.pool.scrub if cfg.cache.scrub else None",
+     "scrubber=None",
+     ["tests/unit/test_engine.py::test_seal6_freed_pages_are_zeroed"], False),
+    ("8 nothing leaks (pages freed at the end)", "kvseal/engine/scheduler.py",
+     "        self.allocator.free_all(seq.owner.key)\n",
+     "        pass\n",
+     ["tests/unit/test_engine.py"], False),
+    ("8 allocator refuses foreign frees", "kvseal/kv/allocator.py",
+     "        if not self.owns(owner, pages):\n            raise NotOwner",
+     "        if False:\n            raise NotOwner",
+     ["tests/unit/test_allocator.py"], False),
+    ("4 verify before use (engine, stateful)", "kvseal/engine/disagg.py",
+     "            if check:\n                verify(",
+     "            if False:\n                verify(",
+     ["tests/unit/test_handoff_stateful.py"], False),
+    ("3+8 a released reservation frees its pages", "kvseal/engine/disagg.py",
+     "        self._end(seq, lambda: seq.life.reject(error) if rejected else seq.life.fail(error))",
+     "        seq.life.reject(error) if rejected else seq.life.fail(error)",
+     ["tests/unit/test_handoff_stateful.py"], False),
+    ("4 verify before use", "kvseal/worker/decode.py",
+     "            self.dengine.accept(a.manifest, a.payload, check=not self.faults.incident)",
+     "            self.dengine.accept(a.manifest, a.payload, check=False)",
+     ["tests/integration/test_disagg_handoff.py::test_decode_refuses_kv_that_is_not_what_it_reserved"], True),
+    ("3 reject before transfer (router window check)", "kvseal/router/api.py",
+     "        if len(ids) + max_tokens > window:",
+     "        if False:",
+     ["tests/integration/test_disagg_incident.py::test_window_lowered_to_fit_rejects_before_any_worker"], True),
+    ("3 a prefill refusal releases the reservation", "kvseal/router/disagg.py",
+     "            if decode is not None:\n                await self._safe_notify(decode, P.ReleaseReq(",
+     "            if False:\n                await self._safe_notify(decode, P.ReleaseReq(",
+     ["tests/integration/test_disagg_handoff.py::test_prefill_refusal_reaches_client_with_its_error_and_moves_nothing"],
+     True),
+    ("7 capacity holds everywhere", "kvseal/router/disagg.py",
+     "            check_fleet(infos, self.context_window)",
+     "            pass",
+     ["tests/integration/test_disagg_incident.py::test_router_refuses_to_start_when_a_pool_is_smaller_than_the_window"],
+     True),
+    ("10 outputs are right", "kvseal/model/rope.py",
+     "    return x * cos[:, None, :] + rotated * sin[:, None, :]",
+     "    return x * cos[:, None, :] + rotated * sin[:, None, :] * 0.999",
+     ["tests/e2e/test_correctness.py::test_greedy_alone_equals_transformers"], True),
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--all", action="store_true", help="include mutations whose tests start real processes")
+    ap.add_argument("--only", default="", help="run only the mutations whose seal label contains this")
+    args = ap.parse_args()
+    survived = []
+    for seal, rel, old, new, tests, slow in MUTATIONS:
+        if (slow and not args.all) or args.only not in seal:
+            continue
+        path = ROOT / rel
+        src = path.read_text()
+        if src.count(old) != 1:
+            print(f"[seal {seal}] snippet not found exactly once in {rel}: update this script")
+            survived.append(seal)
+            continue
+        path.write_text(src.replace(old, new))
+        try:
+            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                               cwd=ROOT, capture_output=True, text=True)
+        finally:
+            path.write_text(src)
+        verdict = "caught" if r.returncode != 0 else "SURVIVED"
+        print(f"[seal {seal}] {rel}: {verdict} ({r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ''})")
+        if r.returncode == 0:
+            survived.append(seal)
+    print("every mutation was caught" if not survived else f"survived: {survived}")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
