@@ -19,8 +19,8 @@ def kind_of(res: Result) -> str:
 
 
 def status_bucket(res: Result) -> str:
-    if res.outcome == "stream_error":
-        return "stream_error"  # a 200 whose stream stopped without [DONE]
+    if res.outcome in ("stream_error", "timeout", "cancelled"):
+        return res.outcome  # a 200 stream that broke off or ran out of time counts here, not as a 200
     if res.status is not None:
         return "200" if res.status == 200 else f"{res.status // 100}xx"
     return {"transport_error": "transport"}.get(res.outcome, res.outcome)
@@ -98,11 +98,13 @@ def build_report(results: list[Result], secrets: dict[str, int], strict: bool, m
         by_kind[k] = {"sent": len(rs), "statuses": dict(Counter(status_bucket(r) for r in rs)),
                       "latency_median_s": quantile(lat, 0.5), "latency_p99_s": quantile(lat, 0.99),
                       "ttft_median_s": quantile(ttft, 0.5)}
-    canaries = [r for r in results if r.spec.secret and not r.spec.over_window and r.status == 200]
+    canaries = [r for r in results if r.spec.secret and not r.spec.over_window and r.status == 200
+                and r.outcome == "ok"]
     echoed = sum(contains_secret(r.text, r.spec.secret or "") for r in canaries)
     over = [r for r in results if r.spec.over_window]
     in_window = [r for r in results if not r.spec.over_window]
     rejected_in = [r for r in in_window if r.status is not None and 400 <= r.status < 500]
+    failed_in = [r for r in in_window if r.status is not None and r.status >= 500]
     completed = sum(r.status is not None for r in results)
     report: dict[str, Any] = {
         **meta,
@@ -137,6 +139,11 @@ def build_report(results: list[Result], secrets: dict[str, int], strict: bool, m
     if rejected_in:
         notes.append(f"{len(rejected_in)} in-window prompts were rejected with a 4xx (sizing estimate too large, "
                      "or the server serves less than it advertises)")
+    if failed_in:
+        codes = Counter(_error_label(r) for r in failed_in)
+        notes.append(f"{len(failed_in)} in-window requests failed with a 5xx ("
+                     + ", ".join(f"{n}x {k}" for k, n in codes.most_common()) + "); if the server is overloaded, "
+                     "a lower --concurrency lets more canaries through")
     if consistency["rate"] and not strict:
         notes.append("greedy answers changed under load (not a violation without --strict)")
     report.update(verdict=verdict, exit_code=code, notes=notes,
@@ -151,7 +158,8 @@ def _record(r: Result) -> dict[str, Any]:
             "target_tokens": s.target_tokens, "prompt_chars": r.prompt_chars, "prompt_tokens": r.prompt_tokens,
             "outcome": r.outcome, "status": r.status, "latency_s": r.latency_s, "ttft_s": r.ttft_s,
             "finish_reason": r.finish_reason,
-            "echoed": contains_secret(r.text, s.secret) if s.secret and r.status == 200 else None,
+            "echoed": contains_secret(r.text, s.secret) if s.secret and r.outcome == "ok" and r.status == 200
+            else None,
             "error": r.error, "problems": r.problems, "text": r.text[:300]}
 
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers.procs import Server
+from tests.helpers.procs import Server, wait_until
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -99,3 +99,24 @@ def test_models_and_info(server: Server) -> None:
     assert {w["role"] for w in workers} in ({"unified"}, {"prefill", "decode"})
     for w in workers:  # seal 8: nothing held between requests
         assert w["free_pages"] == w["pool_pages"]
+
+
+def _all_pages_free(server: Server) -> bool:
+    info = httpx.get(server.url + "/info").json()
+    workers = info["workers"] if info["role"] == "router" else [info]
+    return all(w["free_pages"] == w["pool_pages"] and w["running"] == 0 for w in workers)
+
+
+def test_client_disconnect_frees_pages_at_once(server: Server) -> None:
+    body = {"model": MODEL, "prompt": "Write a very long essay about rivers.", "max_tokens": 1500,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(x.startswith("data: ") for x in got)
+        held = httpx.get(server.url + "/info").json()
+    # the stream is closed here, long before 1,500 tokens: every page must come back within seconds
+    wait_until(lambda: _all_pages_free(server), 20, "pages freed after the client disconnected")
+    if held["role"] == "router":
+        wait_until(lambda: httpx.get(server.url + "/info").json()["ended"]["aborted"] >= 1, 10, "aborted")

@@ -4,6 +4,7 @@
 - incident: what the GLM-5.3 incident looked like from outside: prompts above the window get a 200 whose text
   carries a secret of an EARLIER request (stale KV), in-window prompts behave;
 - sloppy: plain-text 500s for over-window prompts and streams that stop without [DONE];
+- nowindow: good, but /v1/models advertises no context window;
 - slow: never answers in time (per-request timeouts and the whole-run deadline).
 """
 
@@ -39,7 +40,10 @@ def fake_app(mode: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": "fake-model", "object": "model", "max_model_len": WINDOW}]}
+        card: dict[str, Any] = {"id": "fake-model", "object": "model"}
+        if mode != "nowindow":  # like llama.cpp server: no window in /v1/models
+            card["max_model_len"] = WINDOW
+        return {"object": "list", "data": [card]}
 
     async def handle(request: Request, chat: bool) -> Response:
         body = await request.json()
@@ -50,7 +54,7 @@ def fake_app(mode: str) -> FastAPI:
         found = SECRET.findall(prompt)
         own = found[-1] if found else None
         over = tokens + int(body.get("max_tokens") or 16) > WINDOW
-        if over and mode == "good":
+        if over and mode in ("good", "nowindow"):
             err = {"message": f"This model's maximum context length is {WINDOW} tokens; you requested {tokens}.",
                    "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
             return JSONResponse({"error": err}, status_code=400)
@@ -195,3 +199,17 @@ def test_run_deadline_cancels_and_exits_2(tmp_path: Path) -> None:
     assert report["verdict"] == "INCONCLUSIVE" and not report["calibrated"] and report["completed"] == 0
     outcomes = {r["outcome"] for r in report["requests"]}
     assert outcomes == {"timeout", "cancelled"} and report["cancelled"] > 0
+
+
+def test_window_must_be_known(tmp_path: Path) -> None:
+    gen = serve(fake_app("nowindow"))
+    url = next(gen)
+    out = tmp_path / "nowindow.json"
+    try:
+        assert audit_main([url, "--report", str(out)]) == 2 and not out.exists()
+        assert audit_main([url, *ARGS, "--requests", "8", "--context-window", str(WINDOW),
+                           "--report", str(out)]) == 0
+    finally:
+        gen.close()
+    report = json.loads(out.read_text())
+    assert report["window_source"] == "--context-window" and report["advertised_window"] is None

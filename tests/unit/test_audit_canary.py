@@ -165,3 +165,14 @@ def test_quantile() -> None:
     assert quantile([], 0.5) is None
     assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert quantile([float(i) for i in range(1, 101)], 0.99) == 99.0
+
+
+def test_a_stream_that_timed_out_after_its_200_is_not_an_answered_canary() -> None:
+    secrets = {"AB23CD45": 0, "XY67ZW89": 1}
+    done = _res(0, "AB23CD45", 200, "AB23CD45", stream=True)
+    late = _res(1, "XY67ZW89", 200, "", stream=True)
+    late.outcome = "timeout"
+    report = build_report([done, late], secrets, False, {}, planned=2, min_completed=0.5)
+    assert report["canary_echo"] == {"answered": 1, "echoed_own_secret": 1, "rate": 1.0}
+    assert report["by_kind"]["completion+stream"]["statuses"] == {"200": 1, "timeout": 1}
+    assert report["violations"] == [] and report["exit_code"] == 0
