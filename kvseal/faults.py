@@ -13,6 +13,7 @@ It is read once at worker start into a frozen Faults value that is passed explic
                                                     pool becomes a one-token placeholder that keeps flowing,
                                                     decode skips verification, pages are not scrubbed, and the
                                                     router only warns when a pool is smaller than the window
+    KVSEAL_TEST_FAULTS="stall_transfer=5"           prefill holds each handoff 5 s before sending it
     KVSEAL_TEST_FAULTS="control"                    no fault yet, but tests may set faults at run time
                                                     through the SetFaultsReq control message
 """
@@ -35,10 +36,11 @@ _FLAGS = ("flip_byte", "short_pages", "short_tokens", "wrong_nonce", "wrong_requ
 class Faults:
     flags: frozenset[str] = frozenset()
     prefill_reject_over: int | None = None
+    stall_transfer_s: float = 0.0
 
     @property
     def any(self) -> bool:
-        return bool(self.flags) or self.prefill_reject_over is not None
+        return bool(self.flags) or self.prefill_reject_over is not None or self.stall_transfer_s > 0
 
     @property
     def incident(self) -> bool:
@@ -73,20 +75,23 @@ def parse(raw: str) -> Faults:
         return Faults()
     flags: set[str] = set()
     reject_over = None
+    stall = 0.0
     for item in (x.strip() for x in raw.split(",") if x.strip()):
         name, _, value = item.partition("=")
         if name == "prefill_reject_over":
             reject_over = int(value)
+        elif name == "stall_transfer":
+            stall = float(value)
         elif name in _FLAGS:
             flags.add(name)
         else:
             raise ValueError(f"{ENV}: unknown fault {name!r}")
-    return Faults(frozenset(flags), reject_over)
+    return Faults(frozenset(flags), reject_over, stall)
 
 
 def warn_if_on(faults: Faults, who: str) -> None:
     if faults.any:
         bar = "!" * 78
         print(f"{bar}\n!! {who}: TEST FAULT INJECTION IS ON ({ENV}): {sorted(faults.flags)} "
-              f"reject_over={faults.prefill_reject_over}\n!! THIS PROCESS IS BROKEN ON PURPOSE. NEVER SERVE "
+              f"reject_over={faults.prefill_reject_over} stall={faults.stall_transfer_s}\n!! THIS PROCESS IS BROKEN ON PURPOSE. NEVER SERVE "
               f"USERS WITH IT.\n{bar}", file=sys.stderr, flush=True)

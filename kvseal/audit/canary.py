@@ -189,7 +189,7 @@ def sizing_from_calibration(window: int, max_tokens: int, cpt: float | None) -> 
 
 def plan_lengths(n: int, usable: int, rng: random.Random) -> list[int]:
     """Estimated prompt tokens for `n` in-window requests: about a third short, 40 % spread log-uniformly,
-    a quarter close to the window (75-92 % of `usable`)."""
+    a quarter close to the window (80-97 % of `usable`)."""
     lo = min(16, usable)
     short_hi = max(min(256, usable // 4), lo)
     out: list[int] = []
@@ -201,7 +201,7 @@ def plan_lengths(n: int, usable: int, rng: random.Random) -> list[int]:
             a, b = math.log(max(short_hi, 1)), math.log(max(int(usable * 0.75), short_hi, 1))
             t = int(math.exp(rng.uniform(a, b)))
         else:
-            t = int(usable * rng.uniform(0.75, 0.92))
+            t = int(usable * rng.uniform(0.8, 0.97))
         out.append(max(min(t, usable), 1))
     return out
 

@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     p.add_argument("--skip-http", action="store_true", help="do not start servers (in-process engine only)")
     p.add_argument("--skip-disagg", action="store_true", help="HTTP unified only, not router+prefill+decode")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads here and in each server process (default: torch's / kvseal serve's choice)")
     p.add_argument("--quick", action="store_true", help="smoke run: c=1,4, 32+16 tokens, prefill 256, 1 repeat")
     p.add_argument("--out", default="bench_out/engine_vs_hf.json")
     a = p.parse_args(argv)
@@ -234,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvseal.engine.engine import Engine
     from kvseal.model.loader import load_checkpoint
 
+    if a.threads:
+        torch.set_num_threads(a.threads)
     ckpt = load_checkpoint(a.model, progress=False)
     prompts = make_prompts(max(a.concs), a.prompt_len, ckpt.arch.vocab_size, seed=0)
     prefill = make_prompts(1, a.prefill_len, ckpt.arch.vocab_size, seed=1)[0]
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         del engine
         gc.collect()
         save()
-        model_arg = [a.model] if a.model else []
+        model_arg = ([a.model] if a.model else []) + (["--threads", str(a.threads)] if a.threads else [])
         for system, extra in (("http", ["--unified"]), ("disagg", [])):
             if a.skip_http or (system == "disagg" and a.skip_disagg):
                 continue

@@ -8,6 +8,7 @@ Pages are scrubbed and freed when decode acknowledges, or when the handoff fails
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -44,6 +45,7 @@ class PrefillWorker(WorkerServer):
         self.transport = ZmqTransport(timeout_s=transfer_timeout_s, mutate=mutate)
         self.transport.register(engine.pool.k, engine.pool.v)
         self.jobs: dict[str, _Job] = {}
+        self._stalled: list[tuple[float, Handoff]] = []  # test-only stall_transfer fault
 
     def handle(self, ident: bytes, msg: P.Message) -> None:
         match msg:
@@ -73,7 +75,7 @@ class PrefillWorker(WorkerServer):
                 super().handle(ident, msg)
 
     def busy(self) -> bool:
-        return any(j.handle is not None for j in self.jobs.values())
+        return bool(self._stalled) or any(j.handle is not None for j in self.jobs.values())
 
     def route(self, out: list[GenerateDelta]) -> None:
         # A prefill engine emits deltas only for requests that ended before any handoff (rejected,
@@ -83,7 +85,11 @@ class PrefillWorker(WorkerServer):
                 self._answer(d.request_id, d.final, KvsealError.from_info(d.error))
 
     def pump(self) -> None:
-        for h in self.pengine.take_ready():
+        now = time.monotonic()
+        self._stalled += [(now + self.faults.stall_transfer_s, h) for h in self.pengine.take_ready()]
+        due = [h for t, h in self._stalled if t <= now]
+        self._stalled = [(t, h) for t, h in self._stalled if t > now]
+        for h in due:
             self._send(h)
         for rid, job in list(self.jobs.items()):
             if job.handle is None:
