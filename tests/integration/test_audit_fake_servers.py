@@ -16,7 +16,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,7 @@ def fake_app(mode: str) -> FastAPI:
     return app
 
 
-def serve(app: FastAPI) -> Iterator[str]:
+def serve(app: FastAPI) -> Generator[str, None, None]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -1,8 +1,8 @@
 """Property-based fuzzing of the public HTTP API of a real `kvseal serve --unified` process.
 
 Hypothesis throws malformed JSON, invalid UTF-8, wrong types, negative and huge numbers, NaN/Infinity, lone
-surrogates, empty and giant messages, unknown fields, odd content types and bodies over the size limit at every
-endpoint the server documents in its own /openapi.json. Whatever arrives:
+surrogates, empty and giant messages, unknown fields, odd content types and bodies over the size limit at
+every endpoint the server documents in its own /openapi.json. Whatever arrives:
   * never a 5xx;
   * every non-200 is a 4xx with OpenAI-shaped JSON {"error": {"message": str, "type": str, ...}};
   * a 200 is a well-formed completion (whole or streamed, ending with a finish_reason and usage);
@@ -87,7 +87,8 @@ def check_usage(u: Any, max_tokens: int | None) -> None:
 def check_whole(obj: Any, chat: bool, max_tokens: int | None, token_ids: bool) -> None:
     assert isinstance(obj, dict), obj
     assert obj["object"] == ("chat.completion" if chat else "text_completion"), obj
-    assert isinstance(obj["id"], str) and obj["id"] and obj["model"] == MODEL and isinstance(obj["created"], int)
+    assert isinstance(obj["id"], str) and obj["id"] and obj["model"] == MODEL, obj
+    assert isinstance(obj["created"], int), obj
     assert isinstance(obj["choices"], list) and len(obj["choices"]) == 1, obj
     ch = obj["choices"][0]
     assert ch["index"] == 0 and ch["finish_reason"] in ("stop", "length"), obj
@@ -148,15 +149,17 @@ def check_any(r: httpx.Response, path: str, sent: object, max_tokens: int | None
         check_whole(r.json(), chat, max_tokens, body.get("return_token_ids") is True)
 
 
-def post_json(http: httpx.Client, path: str, body: object, content_type: str = "application/json") -> httpx.Response:
+def post_json(http: httpx.Client, path: str, body: object) -> httpx.Response:
     # json.dumps writes NaN/Infinity literals and escapes lone surrogates as \udXXX, as hostile clients do
-    return send(http, "POST", path, json.dumps(body).encode(), {"content-type": content_type})
+    return send(http, "POST", path, json.dumps(body).encode(), {"content-type": "application/json"})
 
 
 # -- strategies ----------------------------------------------------------------------------------------------
-# text of every kind: any code point including lone surrogates, control characters and NUL
+# text of every kind: any code point, control characters and NUL; half the time with lone UTF-16 surrogates
+# (valid JSON escapes such as "\\ud800" that are not text), which st.characters() alone almost never draws
 any_char = st.characters(codec=None, exclude_categories=())
-wild_text = st.text(any_char, max_size=40)
+surrogate = st.integers(0xD800, 0xDFFF).map(chr)
+wild_text = st.text(any_char, max_size=40) | st.text(any_char | any_char | surrogate, min_size=1, max_size=40)
 plain_text = st.text(st.characters(codec="utf-8"), max_size=300)
 huge_ints = st.sampled_from([-(2**63) - 1, -(2**63), -(2**31), -1, 0, 2**31, 2**53 + 1, 2**63 - 1, 2**63,
                              2**64, 10**30, 10**400])
@@ -170,9 +173,9 @@ budget_values = st.sampled_from([0, -1, -(2**63), 2**31, 2**64, 10**100, 1e308, 
                                  -0.0, 0.5, 1.5, "", "x", "2", "1e3", [], {}, [2], True, False, WINDOW,
                                  WINDOW + 1, 10**6])
 FIELDS = ["model", "messages", "prompt", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
-          "stop", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty", "ignore_eos", "min_tokens",
-          "user", "cache_salt", "return_token_ids", "logprobs", "top_logprobs", "echo", "suffix", "best_of",
-          "add_generation_prompt"]
+          "stop", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty", "ignore_eos",
+          "min_tokens", "user", "cache_salt", "return_token_ids", "logprobs", "top_logprobs", "echo",
+          "suffix", "best_of", "add_generation_prompt"]
 BUDGETS = ["max_tokens", "max_completion_tokens"]
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "developer", "tool"]) | wild_text,
@@ -202,7 +205,7 @@ def mutated_request(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
         elif key == "model" and draw(st.booleans()):
             del body[key]
         else:
-            body[key] = draw(json_values)
+            body[key] = draw(wild_text | json_values)
     for key in draw(st.lists(wild_text, max_size=3)):
         if key not in body and key not in BUDGETS:
             body[key] = draw(json_values)  # unknown fields (or known ones we did not pick) with any value
@@ -211,7 +214,8 @@ def mutated_request(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
 
 @st.composite
 def valid_request(draw: st.DrawFn) -> tuple[str, dict[str, Any], int]:
-    """A structurally valid request with a tiny budget: the server must complete it (or refuse it as too long)."""
+    """A structurally valid request with a tiny budget: the server completes it (or refuses it as too
+    long)."""
     path = draw(st.sampled_from([CHAT, COMPLETIONS]))
     max_tokens = draw(st.integers(1, 3))
     body: dict[str, Any] = {"model": MODEL}
@@ -257,18 +261,21 @@ def valid_request(draw: st.DrawFn) -> tuple[str, dict[str, Any], int]:
 
 
 # -- the properties ------------------------------------------------------------------------------------------
+VALID_BYTES = [json.dumps(base_body(CHAT)).encode(), json.dumps(base_body(COMPLETIONS)).encode()]
+JUNK = [b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\x00", b"\xc0\xaf", b"{", b"}", b"]", b",",
+        b"\"", b"\\", b"NaN", b"\\ud800"]
+ODD_BODIES = [b"", b"{", b"{}", b"[]", b"null", b"0", b"\"x\"", b"{\"model\": }", b"\xef\xbb\xbf{}",
+              b"{\"model\": \"" + MODEL.encode() + b"\", \"prompt\": \"\xff\xfe\"}"]
+raw_bodies = (st.binary(max_size=3000)
+              | st.builds(lambda b, i, junk: b[:i] + junk + b[i:], st.sampled_from(VALID_BYTES),
+                          st.integers(0, 120), st.sampled_from(JUNK))
+              | st.sampled_from(ODD_BODIES))
+content_types = st.sampled_from(["application/json", "application/json; charset=latin-1", "text/plain",
+                                 "application/x-www-form-urlencoded", "multipart/form-data", ""])
+
+
 @fuzz_settings(60)
-@given(path=st.sampled_from([CHAT, COMPLETIONS]),
-       raw=st.binary(max_size=3000)
-       | st.builds(lambda b, i, junk: b[:i] + junk + b[i:],
-                   st.sampled_from([json.dumps(base_body(CHAT)).encode(), json.dumps(base_body(COMPLETIONS)).encode()]),
-                   st.integers(0, 120),
-                   st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\x00", b"\xc0\xaf",
-                                    b"{", b"}", b"]", b",", b"\"", b"\\", b"NaN", b"\\ud800"]))
-       | st.sampled_from([b"", b"{", b"{}", b"[]", b"null", b"0", b"\"x\"", b"{\"model\": }", b"\xef\xbb\xbf{}",
-                          b"{\"model\": \"" + MODEL.encode() + b"\", \"prompt\": \"\xff\xfe\"}"]),
-       content_type=st.sampled_from(["application/json", "application/json; charset=latin-1", "text/plain",
-                                     "application/x-www-form-urlencoded", "multipart/form-data", ""]))
+@given(path=st.sampled_from([CHAT, COMPLETIONS]), raw=raw_bodies, content_type=content_types)
 def test_raw_bytes_never_5xx(http: httpx.Client, path: str, raw: bytes, content_type: str) -> None:
     r = send(http, "POST", path, raw, {"content-type": content_type} if content_type else {})
     check_any(r, path, raw)
@@ -307,9 +314,10 @@ def test_valid_requests_complete(http: httpx.Client, req: tuple[str, dict[str, A
 
 
 @fuzz_settings(12)
-@given(size=st.integers(MAX_BODY + 1, 4 * MAX_BODY), chunked=st.booleans(), path=st.sampled_from([CHAT, COMPLETIONS]),
-       shape=st.sampled_from(["json", "garbage"]))
-def test_bodies_over_the_limit_get_413(http: httpx.Client, size: int, chunked: bool, path: str, shape: str) -> None:
+@given(size=st.integers(MAX_BODY + 1, 4 * MAX_BODY), chunked=st.booleans(),
+       path=st.sampled_from([CHAT, COMPLETIONS]), shape=st.sampled_from(["json", "garbage"]))
+def test_bodies_over_the_limit_get_413(http: httpx.Client, size: int, chunked: bool, path: str,
+                                       shape: str) -> None:
     if shape == "json":
         body = base_body(path)
         filler = "word " * (size // 5 + 1)
@@ -328,7 +336,8 @@ def test_bodies_over_the_limit_get_413(http: httpx.Client, size: int, chunked: b
 
 @fuzz_settings(8)
 @given(path=st.sampled_from([CHAT, COMPLETIONS]), chars=st.integers(20_000, MAX_BODY - 400))
-def test_giant_message_under_the_limit_is_context_length_exceeded(http: httpx.Client, path: str, chars: int) -> None:
+def test_giant_message_under_the_limit_is_context_length_exceeded(http: httpx.Client, path: str,
+                                                                   chars: int) -> None:
     body = base_body(path)
     text = ("abc " * chars)[:chars]
     if path == CHAT:
@@ -342,6 +351,46 @@ def test_giant_message_under_the_limit_is_context_length_exceeded(http: httpx.Cl
     assert r.status_code == 400 and err.get("code") == "context_length_exceeded", r.text
 
 
+# -- regressions the fuzzing found (each one was a 5xx) ----------------------------------------------------
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324])
+def test_tiny_temperature_is_no_server_error_and_hurts_no_neighbour(server: Server, http: httpx.Client,
+                                                                     temperature: float) -> None:
+    """A temperature so small that logits / temperature overflows float32 must not fail the request, and must
+    not fail the other requests that share its batch."""
+    victim = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0,
+              "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=120) as other, \
+            other.stream("POST", COMPLETIONS, json=victim) as vr:
+        assert vr.status_code == 200
+        lines = vr.iter_lines()
+        assert next(lines).startswith("data: ")  # the victim is decoding now
+        body = {"model": MODEL, "prompt": "0", "max_tokens": 2, "temperature": temperature}
+        r = post_json(http, COMPLETIONS, body)
+        check_any(r, COMPLETIONS, body, 2)
+        rest = "\n".join(lines)
+    check_stream(rest, False, 60, False)  # the neighbour finished normally, no error event
+    wait_until(lambda: at_baseline(http), 30, "pages free")
+
+
+@pytest.mark.parametrize(("path", "field"), [(COMPLETIONS, "prompt"), (COMPLETIONS, "prompt_list"),
+                                             (CHAT, "messages"), (COMPLETIONS, "model"), (CHAT, "model")])
+def test_lone_surrogates_are_a_400(http: httpx.Client, path: str, field: str) -> None:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"); it is not text. The answer is a 4xx, not a 500."""
+    body = base_body(path)
+    bad = "a\ud800b"
+    if field == "prompt":
+        body["prompt"] = bad
+    elif field == "prompt_list":
+        body["prompt"] = [bad]
+    elif field == "messages":
+        body["messages"] = [{"role": "user", "content": bad}]
+    else:
+        body["model"] = bad
+    r = post_json(http, path, body)
+    check_error(r, body)
+    assert r.status_code == (404 if field == "model" else 400), r.text
+
+
 def test_openapi_paths_and_methods(http: httpx.Client) -> None:
     """Every operation the server documents answers; methods it does not document get a clean 405."""
     spec = http.get("/openapi.json").json()
@@ -349,7 +398,8 @@ def test_openapi_paths_and_methods(http: httpx.Client) -> None:
     assert {CHAT, COMPLETIONS, "/v1/models", "/health", "/info"} <= set(paths)
     for path, ops in paths.items():
         for method in ("GET", "POST", "PUT", "DELETE", "PATCH"):
-            r = send(http, method, path, b"{}" if method != "GET" else None, {"content-type": "application/json"})
+            body = b"{}" if method != "GET" else None
+            r = send(http, method, path, body, {"content-type": "application/json"})
             if method.lower() in ops:
                 assert r.status_code < 500, (method, path, r.status_code, r.text[:300])
                 if r.status_code != 200:
@@ -374,7 +424,8 @@ def test_unknown_paths_are_openai_shaped(http: httpx.Client, path: str, method: 
 
 @fuzz_settings(6)
 @given(stream=st.booleans(), path=st.sampled_from([CHAT, COMPLETIONS]))
-def test_client_that_hangs_up_frees_its_pages(server: Server, stream: bool, path: str) -> None:
+def test_client_that_hangs_up_frees_its_pages(server: Server, http: httpx.Client, stream: bool,
+                                              path: str) -> None:
     """A client that goes away mid-request (streamed or not) leaves nothing held: 400 tokens would take
     over ten seconds, the pages must be back within five."""
     body = base_body(path) | {"max_tokens": 400, "ignore_eos": True, "stream": stream}
@@ -384,8 +435,7 @@ def test_client_that_hangs_up_frees_its_pages(server: Server, stream: bool, path
                 next(r.iter_lines())
     except httpx.TimeoutException:
         pass
-    with httpx.Client(timeout=30) as c:
-        wait_until(lambda: at_baseline(c), 5, "pages freed after the client hung up")
+    wait_until(lambda: at_baseline(http), 5, "pages freed after the client hung up")
 
 
 def test_still_serves_correctly_after_fuzzing(http: httpx.Client) -> None:
@@ -398,7 +448,8 @@ def test_still_serves_correctly_after_fuzzing(http: httpx.Client) -> None:
     check_whole(r.json(), True, 20, False)
     assert "Paris" in r.json()["choices"][0]["message"]["content"]
     r = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "The first three planets are", "max_tokens": 4,
-                                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+                                     "temperature": 0, "stream": True,
+                                     "stream_options": {"include_usage": True}})
     assert r.status_code == 200
     check_stream(r.text, False, 4, True)
     info = http.get("/info").json()
