@@ -54,7 +54,7 @@ class KvsealError(Exception):
 
 
 class InvalidRequest(KvsealError):
-    status, type, code = 400, "invalid_request_error", None
+    status, type = 400, "invalid_request_error"
 
 
 class ContextLengthExceeded(InvalidRequest):

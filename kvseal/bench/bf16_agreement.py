@@ -53,18 +53,15 @@ def main() -> None:
         cfg = EngineConfig(model=ModelConfig(dtype=dtype, max_model_len=2048), cache=CacheConfig(pool_tokens=4096))
         runs[dtype] = greedy(Engine(cfg, ck), prompts, args.new_tokens)
         torch.manual_seed(0)
-    rows = []
-    for p, a, b in zip(PROMPTS, runs["float32"], runs["bfloat16"]):
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        rows.append({"prompt": p, "first_divergence": first, "identical": first is None})
-    n_same = sum(r["identical"] for r in rows)
-    prefix = [r["first_divergence"] if r["first_divergence"] is not None else args.new_tokens for r in rows]
+    firsts: list[int | None] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                                for a, b in zip(runs["float32"], runs["bfloat16"])]
     print(f"| prompt | first bf16 != fp32 token (of {args.new_tokens}) |\n|---|---|")
-    for r in rows:
-        print(f"| {r['prompt'][:50]} | {r['first_divergence'] if r['first_divergence'] is not None else 'none'} |")
-    print(f"\n{n_same}/{len(rows)} prompts identical for all {args.new_tokens} tokens; "
+    for p, first in zip(PROMPTS, firsts):
+        print(f"| {p[:50]} | {'none' if first is None else first} |")
+    prefix = [args.new_tokens if f is None else f for f in firsts]
+    print(f"\n{firsts.count(None)}/{len(firsts)} prompts identical for all {args.new_tokens} tokens; "
           f"mean agreeing prefix {sum(prefix) / len(prefix):.1f} tokens")
-    print(json.dumps({"new_tokens": args.new_tokens, "rows": rows}))
+    print(json.dumps({"new_tokens": args.new_tokens, "prompts": PROMPTS, "first_divergence": firsts}))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 import msgspec
 import torch
@@ -137,12 +138,12 @@ class Engine:
         seq = self.seqs.get(request_id)
         if seq is None:
             return
-        self._end(seq, lambda: seq.life.abort(cause or RequestAborted(f"request {request_id} was aborted")))
+        self._end(seq, partial(seq.life.abort, cause or RequestAborted(f"request {request_id} was aborted")))
 
     def fail_all(self, error: KvsealError) -> list[GenerateDelta]:
         """After an internal fault: end every live request FAILED with `error`, pages freed."""
         for seq in list(self.seqs.values()):
-            self._end(seq, lambda s=seq: s.life.fail(error))
+            self._end(seq, partial(seq.life.fail, error))
         out, self._out = self._out, []
         return out
 
@@ -150,7 +151,7 @@ class Engine:
     def step(self) -> list[GenerateDelta]:
         now = time.monotonic()
         for seq in self.scheduler.expired(now):
-            self._end(seq, lambda s=seq: s.life.reject(Overloaded(
+            self._end(seq, partial(seq.life.reject, Overloaded(
                 f"no KV pages became free within {self.cfg.scheduler.wait_timeout_s:g}s; retry later")))
         batch, preempted = self.scheduler.schedule()
         for seq in preempted:
@@ -161,8 +162,8 @@ class Engine:
         if batch.seqs:
             result = self.runner.run(batch)
             for seq in result.violations:
-                self._end(seq, lambda s=seq: s.life.fail(PageOwnershipViolation(
-                    f"request {s.request_id}: its page table names pages it does not own; no output")))
+                self._end(seq, partial(seq.life.fail, PageOwnershipViolation(
+                    f"request {seq.request_id}: its page table names pages it does not own; no output")))
             if result.logits is not None:
                 tokens, lps = sample(result.logits, [s.params for s in result.sampled],
                                      [s.seed for s in result.sampled],
@@ -204,7 +205,7 @@ class Engine:
             hold = max((len(s) for s in p.stop), default=1) - 1  # a stop string may still be forming
             self._out.append(self._delta(seq, len(seq.text) - hold))
         else:
-            self._end(seq, lambda: seq.life.finish(reason))
+            self._end(seq, partial(seq.life.finish, reason))
 
     def _end(self, seq: Sequence, terminate: Callable[[], bool]) -> None:
         """Move seq to a terminal state, free (and scrub) its pages, then emit its one final delta."""

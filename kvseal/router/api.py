@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -177,7 +177,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
         tok = backend.tokenizer
         return chat_logprobs(tok, lps) if chat else completion_logprobs(tok, lps, offset)
 
-    async def whole(request: Request, gen: AsyncIterator[GenerateDelta], builder: ResponseBuilder,
+    async def whole(request: Request, gen: AsyncGenerator[GenerateDelta, None], builder: ResponseBuilder,
                     chat: bool) -> JSONResponse:
         ids: list[int] = []
 
@@ -211,7 +211,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
         use = usage(last.prompt_tokens, last.completion_tokens)
         return JSONResponse(builder.whole(text, last.final or "stop", format_lps(lps, chat, 0), use, ids))
 
-    async def stream(gen: AsyncIterator[GenerateDelta], builder: ResponseBuilder, include_usage: bool,
+    async def stream(gen: AsyncGenerator[GenerateDelta, None], builder: ResponseBuilder, include_usage: bool,
                      chat: bool) -> Any:
         # Wait for the first delta before committing to a 200: an error that comes first is a real status.
         first = await gen.__anext__()

@@ -3,7 +3,7 @@ prefill and decode workers behind a router. The API layer is the same for both."
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from kvseal.engine.messages import GenerateDelta, GenerateRequest
@@ -19,7 +19,7 @@ class Backend(Protocol):
 
     async def stop(self) -> None: ...
 
-    def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+    def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         """Yields deltas; the last one has `final` set. Closing the iterator early aborts the request."""
         ...
 

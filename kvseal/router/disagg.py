@@ -11,7 +11,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import zmq.asyncio
@@ -113,7 +113,7 @@ class DisaggBackend:
         return random.choice([w for w in live if w.inflight == least])
 
     # -- one request ----------------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         rid = req.request_id
         life = Lifecycle(rid)
         self.lifecycles[rid] = life

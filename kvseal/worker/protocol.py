@@ -19,29 +19,29 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
     v: int = SCHEMA_VERSION
 
 
-class InfoReq(_Msg, tag="info_req"):
+class InfoReq(_Msg, tag="info_req", frozen=True, kw_only=True):
     call_id: int
 
 
-class InfoResp(_Msg, tag="info"):
+class InfoResp(_Msg, tag="info", frozen=True, kw_only=True):
     call_id: int
     info: dict[str, Any]
 
 
-class ReserveReq(_Msg, tag="reserve"):
+class ReserveReq(_Msg, tag="reserve", frozen=True, kw_only=True):
     """router -> decode: set pages aside for this prompt."""
 
     call_id: int
     request: GenerateRequest
 
 
-class ReserveResp(_Msg, tag="reserved"):
+class ReserveResp(_Msg, tag="reserved", frozen=True, kw_only=True):
     call_id: int
     reservation: Reservation | None = None
     error: ErrorInfo | None = None
 
 
-class PrefillReq(_Msg, tag="prefill"):
+class PrefillReq(_Msg, tag="prefill", frozen=True, kw_only=True):
     """router -> prefill: compute the prompt's KV and hand it to the reservation's decode worker."""
 
     call_id: int
@@ -49,7 +49,7 @@ class PrefillReq(_Msg, tag="prefill"):
     reservation: Reservation
 
 
-class PrefillResp(_Msg, tag="prefilled"):
+class PrefillResp(_Msg, tag="prefilled", frozen=True, kw_only=True):
     """prefill -> router, when its part ends: error None means decode acknowledged the KV.
 
     `state` is the prefill side's ending: "handed_off", or "rejected" (refused before any KV moved),
@@ -62,7 +62,7 @@ class PrefillResp(_Msg, tag="prefilled"):
     kv_bytes_sent: int = 0
 
 
-class ReleaseReq(_Msg, tag="release"):
+class ReleaseReq(_Msg, tag="release", frozen=True, kw_only=True):
     """router -> decode: end this reservation with `error` (rejected: nothing was ever sent for it)."""
 
     request_id: str
@@ -70,21 +70,21 @@ class ReleaseReq(_Msg, tag="release"):
     rejected: bool
 
 
-class AbortReq(_Msg, tag="abort"):
+class AbortReq(_Msg, tag="abort", frozen=True, kw_only=True):
     """router -> any worker: the client is gone or the request failed elsewhere; free its pages now."""
 
     request_id: str
     error: ErrorInfo
 
 
-class SetFaultsReq(_Msg, tag="set_faults"):
+class SetFaultsReq(_Msg, tag="set_faults", frozen=True, kw_only=True):
     """Test-only: replace a worker's injected faults. Refused unless KVSEAL_TEST_FAULTS includes "control"."""
 
     call_id: int
     spec: str  # the same syntax as the environment variable, "" for none
 
 
-class DeltaMsg(_Msg, tag="delta"):
+class DeltaMsg(_Msg, tag="delta", frozen=True, kw_only=True):
     """decode -> router: new output of a request (after its KV was verified)."""
 
     delta: GenerateDelta

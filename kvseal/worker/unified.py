@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from kvseal.engine.engine import Engine
@@ -39,7 +39,7 @@ class UnifiedBackend:
             if q is not None:
                 q.put_nowait(d)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         q: asyncio.Queue[GenerateDelta] = asyncio.Queue()
         self._queues[req.request_id] = q
         done = False

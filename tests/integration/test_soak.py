@@ -196,6 +196,11 @@ async def client(i: int, http: httpx.AsyncClient, deadline: float, tally: Tally)
             tally.bad(job, f"{type(exc).__name__}: {exc}")
 
 
+def server_warnings(server: Server, n: int = 30) -> str:
+    lines = [x for x in server.output().splitlines() if " WARNING " in x or " ERROR " in x or "Traceback" in x]
+    return "\n".join(["server warnings and errors (last %d):" % n, *lines[-n:]])
+
+
 def worker_baseline(url: str) -> bool | list[dict[str, Any]]:
     info = httpx.get(url + "/info", timeout=30).json()
     ok = info["live_requests"] == 0 and all(
@@ -239,6 +244,8 @@ def test_soak(server: Server) -> None:
     print(f"\nsoak: {CLIENTS} clients, {took:.0f}s, requests={tally.started} ok={o['ok']} "
           f"errors[{errors or 'none'}] aborted={o['aborted']} bad={o['bad']} server_ended={ended} "
           f"rss_mb middle={rss['middle'] >> 20} end={rss['end'] >> 20}")
+    if o["bad"] or ended.get("failed"):
+        print(server_warnings(server))
 
     assert not tally.problems, "\n".join(tally.problems)
     accounted = o["ok"] + o["aborted"] + sum(v for k, v in o.items() if k.startswith("error"))
