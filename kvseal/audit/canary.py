@@ -232,8 +232,11 @@ def build_plan(n_requests: int, n_over: int, n_consistency: int, window: int, ma
     solo: list[RequestSpec] = []
     for k in range(n_consistency):
         ep, _ = consistency_prompt(k)
-        solo.append(RequestSpec(0, ep, False, None, 0, consistency=k, phase="solo"))
-        again = RequestSpec(0, ep, False, None, 0, consistency=k, phase="load")
+        # every other fixed prompt is long (90% of the usable window): a server that treats long prompts
+        # differently under load (placeholders, stale pages) answers them differently alone and under load
+        target = int(usable * 0.9) if k % 2 else 0
+        solo.append(RequestSpec(0, ep, False, None, target, consistency=k, phase="solo"))
+        again = RequestSpec(0, ep, False, None, target, consistency=k, phase="load")
         body.insert(min(len(body) * (2 * k + 1) // (2 * n_consistency), len(body)), again)
     numbered_solo = [_renumber(s, i) for i, s in enumerate(solo)]
     numbered_load = [_renumber(s, len(solo) + i) for i, s in enumerate(body)]
@@ -251,6 +254,9 @@ def request_body(spec: RequestSpec, sizing: Sizing, model: str, seed: int) -> di
                             "stream": spec.stream}
     if spec.consistency is not None:
         ep, text = consistency_prompt(spec.consistency)
+        if spec.target_tokens:  # a long fixed prompt: the same filler every time (seeded by its number)
+            text = filler(sizing.chars_for(spec), None, random.Random(f"consistency:{spec.consistency}")) + \
+                "\n\n" + text
         if ep == "chat":
             body["messages"] = [{"role": "user", "content": text}]
         else:

@@ -12,6 +12,7 @@ from kvseal.audit.canary import contains_secret, find_foreign_secrets, snippet
 from kvseal.audit.runner import Result
 
 LOW_ECHO = 0.5  # below this canary echo rate the table warns that the leak check is weak
+MIN_LONG = 5  # long-prompt answers needed before their echo rate is judged
 
 
 def kind_of(res: Result) -> str:
@@ -86,9 +87,38 @@ def _error_label(res: Result) -> str:
     return f"{res.status} {label}" if res.status is not None else res.outcome
 
 
+def echo_by_length(results: list[Result]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Canary echo rate of the shorter and the longer half of in-window prompts, and a violation when long
+    prompts stop being read: a server that swaps a prompt for a stand-in (the 2026 incident's one-token
+    placeholder) still answers 200, but the answer no longer repeats that prompt's secret."""
+    canaries = [r for r in results if r.spec.secret and not r.spec.over_window and r.status == 200
+                and r.outcome == "ok"]
+    if not canaries:
+        return {"short": None, "long": None}, []
+    cut = max(r.spec.target_tokens for r in canaries) / 2
+    bands = {"short": [r for r in canaries if r.spec.target_tokens < cut],
+             "long": [r for r in canaries if r.spec.target_tokens >= cut]}
+    rates = {k: (sum(contains_secret(r.text, r.spec.secret or "") for r in v) / len(v) if v else None)
+             for k, v in bands.items()}
+    summary = {k: {"answered": len(bands[k]), "rate": rates[k]} for k in bands}
+    short, long_ = rates["short"], rates["long"]
+    out = []
+    if short is not None and long_ is not None and len(bands["long"]) >= MIN_LONG and short >= 0.6 \
+            and long_ < short / 2:
+        missed = [r for r in bands["long"] if not contains_secret(r.text, r.spec.secret or "")]
+        out.append(_violation(
+            "long_prompts_ignored", missed[0],
+            f"answers to long prompts stopped reflecting their own prompt: echo rate {long_:.0%} for prompts "
+            f"of at least {cut:.0f} tokens vs {short:.0%} for shorter ones; the server may be replacing or "
+            f"truncating long prompts while answering 200", examples=[r.text[:80] for r in missed[:5]]))
+    return summary, out
+
+
 def build_report(results: list[Result], secrets: dict[str, int], strict: bool, meta: dict[str, Any],
                  planned: int, min_completed: float) -> dict[str, Any]:
     violations, consistency = find_violations(results, secrets, strict)
+    echo_bands, ignored = echo_by_length(results)
+    violations += ignored
     kinds = sorted({kind_of(r) for r in results})
     by_kind: dict[str, Any] = {}
     for k in kinds:
@@ -112,7 +142,7 @@ def build_report(results: list[Result], secrets: dict[str, int], strict: bool, m
         "cancelled": sum(r.outcome == "cancelled" for r in results),
         "by_kind": by_kind,
         "canary_echo": {"answered": len(canaries), "echoed_own_secret": echoed,
-                        "rate": echoed / len(canaries) if canaries else None},
+                        "rate": echoed / len(canaries) if canaries else None, "by_length": echo_bands},
         "leaks": sum(v["kind"] == "leak" for v in violations),
         "over_window": {"sent": len(over), "results": dict(Counter(_error_label(r) for r in over))},
         "in_window_rejected": {"count": len(rejected_in),

@@ -4,7 +4,8 @@ Policy, once per step, under a token budget:
   1. running sequences first, oldest first: one token each when decoding, a chunk when still prefilling.
      When pages run out, the newest running sequence is preempted (pages scrubbed and freed, recomputed
      later) until the older one fits.
-  2. then waiting sequences, oldest first, as long as budget, batch slots and pages allow.
+  2. then waiting sequences, oldest first, as long as budget and batch slots allow; one whose pages are not
+     free now is skipped for this step.
 Waiting is bounded: a sequence that waits longer than wait_timeout_s ends REJECTED with 503.
 """
 
@@ -63,12 +64,15 @@ class Scheduler:
             else:
                 batch.add(seq, n)
                 budget -= n
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._grow(seq, seq.num_computed + n):
+        for seq in list(self.waiting):
+            if budget == 0 or preempted or len(self.running) >= self.cfg.max_num_seqs:
                 break
-            self.waiting.popleft()
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            # one that does not fit now is skipped, not waited on: a long recompute at the head of the queue
+            # must not block a request that already holds its pages (a verified handoff on decode)
+            if not self._grow(seq, seq.num_computed + n):
+                continue
+            self.waiting.remove(seq)
             self.running.append(seq)
             if seq.first_scheduled is None:
                 seq.first_scheduled = time.monotonic()

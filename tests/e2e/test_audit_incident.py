@@ -15,12 +15,13 @@ from tests.helpers.procs import Server
 
 pytestmark = pytest.mark.e2e
 WINDOW = "1024"
-FLEET = ["--max-model-len", WINDOW, "--kv-pool-tokens", "2048"]
+# a small decode pool (pages recycle often); a long wait for pages instead of 503s, so most canaries are answered
+FLEET = ["--max-model-len", WINDOW, "--kv-pool-tokens", WINDOW, "--wait-timeout", "600"]
 
 
 def _audit(url: str, report: Path) -> tuple[int, dict]:
-    r = subprocess.run([sys.executable, "-m", "kvseal", "audit", url, "--requests", "48", "--concurrency", "8",
-                        "--over-window", "4", "--consistency-prompts", "2", "--max-tokens", "16", "--seed", "7",
+    r = subprocess.run([sys.executable, "-m", "kvseal", "audit", url, "--requests", "40", "--concurrency", "4",
+                        "--over-window", "4", "--consistency-prompts", "4", "--max-tokens", "12", "--seed", "7",
                         "--report", str(report), "--timeout", "300"],
                        capture_output=True, text=True, timeout=1200, check=False)
     assert report.exists(), r.stdout + r.stderr
@@ -37,7 +38,10 @@ def test_audit_fails_the_incident_and_passes_kvseal(tmp_path: Path) -> None:
         rc_bad, rep_bad = _audit(bad.url, tmp_path / "bad.json")
     finally:
         bad.stop()
-    assert rc_bad == 1, rep_bad.get("verdict")
+    assert rc_bad == 1, {k: rep_bad.get(k) for k in ("verdict", "leaks", "consistency", "canary_echo")}
+    # what gave it away: long prompts answered 200 from a placeholder and stale pages no longer reflect their
+    # own prompt (and may carry other users' secrets)
+    assert {"long_prompts_ignored", "leak"} & set(rep_bad["violation_counts"]), rep_bad["violation_counts"]
 
     refused = Server([*FLEET, "--prefill-kv-pool-tokens", "512"])
     try:

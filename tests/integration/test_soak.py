@@ -62,8 +62,9 @@ def rss_bytes(pid: int) -> int:
 
 # -- the request mix ---------------------------------------------------------------------------------------
 LONG = " ".join(f"Item {i} costs {i * 7 % 100} coins and weighs {i % 13} kilograms." for i in range(40))
-PROMPTS = ["Hi", "What is the capital of France?", "Write a haiku about the sea.",
-           "Explain in one sentence what a CPU cache is. " * 4, LONG[:900], LONG]
+# (prompt, weight): chat-templated they are about 30, 40, 70, 310 and 620 tokens
+PROMPTS = [("Hi", 3), ("What is the capital of France?", 3), ("Write a haiku about the sea.", 3),
+           ("Explain in one sentence what a CPU cache is. " * 4, 2), (LONG[:900], 1), (LONG, 1)]
 
 
 @dataclass
@@ -76,7 +77,7 @@ class Job:
 
 def make_job(rng: random.Random) -> Job:
     chat, stream = rng.random() < 0.5, rng.random() < 0.6
-    text = rng.choice(PROMPTS)
+    text = rng.choices([p for p, _ in PROMPTS], [w for _, w in PROMPTS])[0]
     body: dict[str, Any] = {"model": MODEL, "max_tokens": rng.randint(4, 16),
                             "temperature": rng.choice([0.0, 0.0, 0.7, 1.0]), "seed": rng.randint(0, 2**31),
                             "ignore_eos": rng.random() < 0.5}
@@ -197,8 +198,9 @@ async def client(i: int, http: httpx.AsyncClient, deadline: float, tally: Tally)
 
 
 def server_warnings(server: Server, n: int = 30) -> str:
-    lines = [x for x in server.output().splitlines() if " WARNING " in x or " ERROR " in x or "Traceback" in x]
-    return "\n".join(["server warnings and errors (last %d):" % n, *lines[-n:]])
+    lines = [x for x in server.output().splitlines()
+             if " WARNING " in x or " ERROR " in x or "Traceback" in x]
+    return "\n".join([f"server warnings and errors (last {n}):", *lines[-n:]])
 
 
 def worker_baseline(url: str) -> bool | list[dict[str, Any]]:
@@ -223,7 +225,7 @@ async def soak(server: Server) -> tuple[Tally, dict[str, int], float]:
         done, pending = await asyncio.wait(tasks, timeout=SECONDS / 2 + DRAIN_S)
         for t in pending:
             t.cancel()
-        assert not pending, f"{len(pending)} of {CLIENTS} clients still waiting {DRAIN_S:g}s after the deadline"
+        assert not pending, f"{len(pending)} of {CLIENTS} clients still busy {DRAIN_S:g}s after the deadline"
         for t in done:
             if t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
@@ -244,16 +246,20 @@ def test_soak(server: Server) -> None:
     print(f"\nsoak: {CLIENTS} clients, {took:.0f}s, requests={tally.started} ok={o['ok']} "
           f"errors[{errors or 'none'}] aborted={o['aborted']} bad={o['bad']} server_ended={ended} "
           f"rss_mb middle={rss['middle'] >> 20} end={rss['end'] >> 20}")
-    if o["bad"] or ended.get("failed"):
+    if o["bad"]:
         print(server_warnings(server))
 
-    assert not tally.problems, "\n".join(tally.problems)
+    assert not tally.problems, "\n".join([*tally.problems, server_warnings(server)])
     accounted = o["ok"] + o["aborted"] + sum(v for k, v in o.items() if k.startswith("error"))
     assert accounted == tally.started, (tally.started, o)  # none lost
-    assert o["ok"] >= tally.started // 2, f"most requests should complete: {o}"
+    refused = sum(v for k, v in o.items() if k.startswith("error"))  # only 503s get this far
+    assert o["ok"] > 0 and o["ok"] >= tally.started // 10, f"too few requests completed: {o}"
     assert o["aborted"] > 0, "the mix hangs up on some streams"
-    # the server saw every request end exactly once: the warm-up plus the soak's
+    # the server saw every request end exactly once (the warm-up too): each 503 as refused (the router records
+    # an overload before the handoff as failed, the decode engine as rejected), each completion as finished,
+    # each hang-up as aborted, or as finished when the last token beat the hang-up
     assert sum(ended.values()) == tally.started + 1, (ended, tally.started)
-    assert ended["finished"] >= o["ok"] + 1 and ended["failed"] == 0, ended
-    assert ended["aborted"] <= o["aborted"], ended
+    assert ended["rejected"] + ended["failed"] == refused, (ended, o)
+    assert ended["finished"] + ended["aborted"] == o["ok"] + o["aborted"] + 1, (ended, o)
+    assert ended["finished"] >= o["ok"] + 1, (ended, o)
     assert rss["end"] <= rss["middle"] * (1 + MEMORY_GROWTH), rss

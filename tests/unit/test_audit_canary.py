@@ -173,6 +173,25 @@ def test_a_stream_that_timed_out_after_its_200_is_not_an_answered_canary() -> No
     late = _res(1, "XY67ZW89", 200, "", stream=True)
     late.outcome = "timeout"
     report = build_report([done, late], secrets, False, {}, planned=2, min_completed=0.5)
-    assert report["canary_echo"] == {"answered": 1, "echoed_own_secret": 1, "rate": 1.0}
+    echo = {k: v for k, v in report["canary_echo"].items() if k != "by_length"}
+    assert echo == {"answered": 1, "echoed_own_secret": 1, "rate": 1.0}
     assert report["by_kind"]["completion+stream"]["statuses"] == {"200": 1, "timeout": 1}
     assert report["violations"] == [] and report["exit_code"] == 0
+
+
+def test_long_prompts_ignored_is_a_violation() -> None:
+    from kvseal.audit.canary import RequestSpec
+    from kvseal.audit.report import echo_by_length
+    from kvseal.audit.runner import Result
+
+    def res(i: int, tokens: int, echoed: bool) -> Result:
+        secret = f"SECRET{i:02d}"
+        spec = RequestSpec(i, "completion", False, secret, tokens)
+        return Result(spec, "ok", 200, text=f" {secret}" if echoed else " ------------")
+
+    healthy = [res(i, 100, True) for i in range(8)] + [res(10 + i, 900, True) for i in range(6)]
+    assert echo_by_length(healthy)[1] == []
+    placeholder = [res(i, 100, True) for i in range(8)] + [res(10 + i, 900, False) for i in range(6)]
+    summary, violations = echo_by_length(placeholder)
+    assert [v["kind"] for v in violations] == ["long_prompts_ignored"]
+    assert summary["long"]["rate"] == 0.0 and summary["short"]["rate"] == 1.0
