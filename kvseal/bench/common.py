@@ -152,6 +152,30 @@ def machine_info() -> dict[str, Any]:
             "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
+def hf_model(ckpt: Any, dtype: str) -> Any:
+    """transformers' model class on kvseal's dequantized weights (the e2e tests check both loaders agree)."""
+    import torch
+    import transformers
+
+    a = ckpt.arch
+    family = "Qwen2" if a.family == "qwen2" else "Llama"
+    cfg_cls: Any = getattr(transformers, f"{family}Config")
+    model_cls: Any = getattr(transformers, f"{family}ForCausalLM")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": a.rope_theta, **dict(a.rope_scaling or ())}
+    rope["rope_type"] = rope.pop("type", rope["rope_type"])
+    kw = {} if a.family == "qwen2" else {"attention_bias": a.attention_bias, "head_dim": a.head_dim}
+    cfg = cfg_cls(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+                  num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
+                  rope_parameters=rope, rms_norm_eps=a.rms_eps, max_position_embeddings=a.max_position,
+                  tie_word_embeddings=a.tie_embeddings, **kw)
+    model = model_cls(cfg)
+    missing, unexpected = model.load_state_dict(ckpt.weights, strict=False)
+    missing = [m for m in missing if not (a.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")
+    return model.to(getattr(torch, dtype)).eval()
+
+
 # -- a kvseal server on loopback -------------------------------------------------------------------------
 
 

@@ -10,21 +10,23 @@ max_tokens=1 (prefill tok/s = prompt tokens / TTFT). Systems, all on the same we
   engine  kvseal's Engine in this process: add_request x N, then step() until done; a timestamp per delta
   http    `kvseal serve --unified` subprocess; N streamed /v1/completions (token-id prompts, ignore_eos)
   disagg  `kvseal serve` (router + prefill + decode processes), same requests
-TTFT = first token (delta / SSE chunk) - submit; TPOT = (last - first) / (tokens - 1) per request. Every figure
-is the median over --repeats runs; ratios are against transformers measured in the same command. JSON goes to
---out (raw runs included), the markdown tables to stdout.
+TTFT = first token (delta / SSE chunk) - submit; TPOT = (last - first) / (tokens - 1) per request. All systems
+are loaded at once and measured interleaved (repeat -> workload -> system). Every figure is the median over
+--repeats runs; ratios are against transformers in the same command. JSON (raw runs too) goes to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from kvseal.bench.common import (
     ServerProc,
     fmt_ms,
     fmt_ratio,
+    hf_model,
     left_pad,
     machine_info,
     make_prompts,
@@ -47,7 +50,6 @@ Requests = list[tuple[float, list[tuple[float, int]], int]]
 RunFn = Callable[[list[list[int]], int], Requests]
 SYSTEMS = {"hf": "transformers", "engine": "kvseal engine", "http": "kvseal HTTP unified",
            "disagg": "kvseal HTTP disagg"}
-_DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,38 +69,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch threads here and in each server process (default: torch's / kvseal serve's choice)")
     p.add_argument("--quick", action="store_true", help="smoke run: c=1,4, 32+16 tokens, prefill 256, 1 repeat")
     p.add_argument("--out", default="bench_out/engine_vs_hf.json")
+    if "--quick" in (sys.argv[1:] if argv is None else argv):  # smaller defaults; explicit flags still win
+        p.set_defaults(concurrency="1,4", prompt_len=32, new_tokens=16, prefill_len=256, repeats=1)
     a = p.parse_args(argv)
-    if a.quick:
-        a.concurrency, a.prompt_len, a.new_tokens, a.prefill_len, a.repeats = "1,4", 32, 16, 256, 1
     a.concs = [int(x) for x in a.concurrency.split(",")]
     a.dtype_list = [d.strip() for d in a.dtypes.split(",")]
     return a
 
 
 # -- transformers ----------------------------------------------------------------------------------------
-
-
-def hf_model(ckpt: Any, dtype: str) -> Any:
-    """transformers' model class on kvseal's dequantized weights (the e2e tests check both loaders agree)."""
-    import transformers
-
-    a = ckpt.arch
-    family = "Qwen2" if a.family == "qwen2" else "Llama"
-    cfg_cls: Any = getattr(transformers, f"{family}Config")
-    model_cls: Any = getattr(transformers, f"{family}ForCausalLM")
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": a.rope_theta, **dict(a.rope_scaling or ())}
-    rope["rope_type"] = rope.pop("type", rope["rope_type"])
-    kw = {} if a.family == "qwen2" else {"attention_bias": a.attention_bias, "head_dim": a.head_dim}
-    cfg = cfg_cls(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-                  num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
-                  rope_parameters=rope, rms_norm_eps=a.rms_eps, max_position_embeddings=a.max_position,
-                  tie_word_embeddings=a.tie_embeddings, **kw)
-    model = model_cls(cfg)
-    missing, unexpected = model.load_state_dict(ckpt.weights, strict=False)
-    missing = [m for m in missing if not (a.tie_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise RuntimeError(f"weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")
-    return model.to(_DT[dtype]).eval()
 
 
 def hf_run_fn(model: Any, pad_id: int, outputs: dict[str, list[int]]) -> RunFn:
@@ -148,6 +127,10 @@ def engine_run_fn(engine: Any, outputs: dict[str, list[int]]) -> RunFn:
     return run
 
 
+def on_thread(pool: ThreadPoolExecutor, run: RunFn) -> RunFn:
+    return lambda prompts, new_tokens: pool.submit(run, prompts, new_tokens).result()
+
+
 def http_run_fn(srv: ServerProc, loop: asyncio.AbstractEventLoop, client: Any) -> RunFn:
     async def many(prompts: list[list[int]], new_tokens: int) -> Requests:
         return list(await asyncio.gather(*(stream_completion(client, srv.url, srv.model, p, new_tokens)
@@ -155,40 +138,51 @@ def http_run_fn(srv: ServerProc, loop: asyncio.AbstractEventLoop, client: Any) -
     return lambda prompts, new_tokens: loop.run_until_complete(many(prompts, new_tokens))
 
 
-# -- one system, every workload ------------------------------------------------------------------------
+# -- every system, every workload, interleaved ------------------------------------------------------------
 
 
-def measure(run: RunFn, a: argparse.Namespace, prompts: list[list[int]], prefill: list[int]) -> dict[str, Any]:
-    run(prompts[:2], 4)  # warm-up: first-call allocations, thread pools, connections
-    res: dict[str, Any] = {"runs": {}, "summary": {}, "prefill_runs": []}
-    for c in a.concs:
-        runs = []
-        for _ in range(a.repeats):
-            reqs = run(prompts[:c], a.new_tokens)
-            if any(n != a.new_tokens for _, _, n in reqs):
-                raise RuntimeError(f"c={c}: got {[n for _, _, n in reqs]} tokens, want {a.new_tokens} each")
-            runs.append({**run_stats(reqs), "load1": os.getloadavg()[0]})
-        res["runs"][str(c)], res["summary"][str(c)] = runs, median_of_runs(runs)
-        print(f"    c={c}: {res['summary'][str(c)]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-    for _ in range(a.repeats):
-        t_send, arr, _n = run([prefill], 1)[0]
-        ttft = arr[0][0] - t_send
-        res["prefill_runs"].append({"ttft": ttft, "tok_s": len(prefill) / ttft})
-    res["prefill"] = median_of_runs(res["prefill_runs"])
-    print(f"    prefill {len(prefill)}: {res['prefill']['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-    return res
+def measure_all(runs: dict[str, RunFn], a: argparse.Namespace, prompts: list[list[int]], prefill: list[int],
+                res: dict[str, Any], save: Callable[[], None]) -> None:
+    """repeat -> workload -> system, the system order rotated each repeat: on a shared machine whose load
+    drifts, every system of one workload is measured within minutes of the others."""
+    names = list(runs)
+    for name in names:
+        runs[name](prompts[:2], 4)  # warm-up: first-call allocations, thread pools, connections
+        res[name] = {"runs": {str(c): [] for c in a.concs}, "prefill_runs": []}
+    for r in range(a.repeats):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for c in [*a.concs, 0]:  # 0: the prefill workload
+            for name in order:
+                reqs = runs[name]([prefill] if c == 0 else prompts[:c], 1 if c == 0 else a.new_tokens)
+                if c == 0:
+                    ttft = reqs[0][1][0][0] - reqs[0][0]
+                    res[name]["prefill_runs"].append({"ttft": ttft, "tok_s": len(prefill) / ttft,
+                                                      "load1": os.getloadavg()[0]})
+                    rate = len(prefill) / ttft
+                else:
+                    if any(n != a.new_tokens for _, _, n in reqs):
+                        raise RuntimeError(f"{name} c={c}: got {[n for _, _, n in reqs]} tokens, want {a.new_tokens}")
+                    res[name]["runs"][str(c)].append({**run_stats(reqs), "load1": os.getloadavg()[0]})
+                    rate = res[name]["runs"][str(c)][-1]["tok_s"]
+                print(f"  [{r + 1}/{a.repeats}] {SYSTEMS[name]:20s} {c or 'prefill':>7} {rate:8.1f} tok/s  "
+                      f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+                res[name]["summary"] = {k: median_of_runs(v) for k, v in res[name]["runs"].items() if v}
+                res[name]["prefill"] = median_of_runs(res[name]["prefill_runs"]) if res[name]["prefill_runs"] else {}
+                save()
 
 
-def measure_server(args: list[str], a: argparse.Namespace, prompts: list[list[int]], prefill: list[int]) -> Any:
+@contextlib.contextmanager
+def server(args: list[str]) -> Iterator[RunFn]:
     import httpx
 
     t = time.monotonic()
-    srv = ServerProc(args).ready()
-    print(f"    server {' '.join(args)} ready in {time.monotonic() - t:.0f}s", file=sys.stderr, flush=True)
+    srv = ServerProc(args)
     loop = asyncio.new_event_loop()
-    client = httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=httpx.Limits(max_connections=256))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=httpx.Limits(max_connections=256))
     try:
-        return measure(http_run_fn(srv, loop, client), a, prompts, prefill)
+        srv.ready()
+        print(f"  server {' '.join(args)} ready in {time.monotonic() - t:.0f}s", file=sys.stderr, flush=True)
+        yield http_run_fn(srv, loop, client)
     finally:
         loop.run_until_complete(client.aclose())
         loop.close()
@@ -256,30 +250,28 @@ def main(argv: list[str] | None = None) -> int:
         res: dict[str, Any] = out["results"].setdefault(dtype, {})
         hf_out: dict[str, list[int]] = {}
         eng_out: dict[str, list[int]] = {}
-        if not a.skip_hf:
-            print(f"[{dtype}] transformers", file=sys.stderr, flush=True)
-            model = hf_model(ckpt, dtype)
-            res["hf"] = measure(hf_run_fn(model, pad_id, hf_out), a, prompts, prefill)
-            del model
-            gc.collect()
-            save()
-        print(f"[{dtype}] kvseal engine in-process", file=sys.stderr, flush=True)
-        engine = Engine(EngineConfig(model=ModelConfig(path=a.model, dtype=dtype)), ckpt)
-        res["engine"] = measure(engine_run_fn(engine, eng_out), a, prompts, prefill)
+        print(f"[{dtype}] loading", file=sys.stderr, flush=True)
+        with contextlib.ExitStack() as stack:
+            runs: dict[str, RunFn] = {}
+            # In-process work runs on a worker thread, as the server's engine loop does: under CPU contention
+            # libgomp on the main thread can lose a scheduler slice (~12 ms) at every parallel op.
+            pool = stack.enter_context(ThreadPoolExecutor(1, "bench"))
+            if not a.skip_hf:
+                runs["hf"] = on_thread(pool, hf_run_fn(hf_model(ckpt, dtype), pad_id, hf_out))
+            engine = Engine(EngineConfig(model=ModelConfig(path=a.model, dtype=dtype)), ckpt)
+            runs["engine"] = on_thread(pool, engine_run_fn(engine, eng_out))
+            model_arg = ([a.model] if a.model else []) + (["--threads", str(a.threads)] if a.threads else [])
+            for system, extra in (("http", ["--unified"]), ("disagg", [])):
+                if not (a.skip_http or (system == "disagg" and a.skip_disagg)):
+                    runs[system] = stack.enter_context(server([*model_arg, "--dtype", dtype, *extra]))
+            measure_all(runs, a, prompts, prefill, res, save)
         key = f"1x{a.new_tokens}"  # greedy agreement on the c=1 request (fp32 should agree on every token)
         if key in hf_out and key in eng_out:
             ref, got = hf_out[key], eng_out[key]
             res["greedy_match"] = next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), len(ref))
-        del engine
+        del runs, engine
         gc.collect()
         save()
-        model_arg = ([a.model] if a.model else []) + (["--threads", str(a.threads)] if a.threads else [])
-        for system, extra in (("http", ["--unified"]), ("disagg", [])):
-            if a.skip_http or (system == "disagg" and a.skip_disagg):
-                continue
-            print(f"[{dtype}] {SYSTEMS[system]}", file=sys.stderr, flush=True)
-            res[system] = measure_server([*model_arg, "--dtype", dtype, *extra], a, prompts, prefill)
-            save()
     out["finished"] = time.strftime("%F %T")
     out["tables"] = tables(out, a.concs, a.prefill_len)
     save()

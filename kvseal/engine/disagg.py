@@ -139,8 +139,15 @@ class DecodeEngine(Engine):
             assert final.error is not None
             raise KvsealError.from_info(final.error)
         seq.life.advance(State.RESERVED)
+        need = -(-len(seq.prompt_ids) // self.pool.page_size)
+        # Requests already here come first: pages that waiting (e.g. preempted) sequences need to run again
+        # are not handed to new reservations, or a stream of new arrivals could starve them.
+        owed = sum(max(-(-(s.num_tokens + 1) // self.pool.page_size) - len(s.pages), 0)
+                   for s in self.scheduler.waiting)
         try:
-            seq.pages = self.allocator.allocate(seq.owner, -(-len(seq.prompt_ids) // self.pool.page_size))
+            if self.allocator.num_free - owed < need:
+                raise OutOfPages(f"{need} pages wanted, {self.allocator.num_free} free, {owed} owed to waiting ones")
+            seq.pages = self.allocator.allocate(seq.owner, need)
         except OutOfPages:
             seq.life.reject(Overloaded("the decode worker has no free KV pages right now; retry later"))
             self.seqs.pop(req.request_id, None)

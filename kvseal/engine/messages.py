@@ -27,7 +27,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # as vLLM: a temperature this small is greedy (dividing logits by it would overflow float32)
+        return self.temperature < 1e-5
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):

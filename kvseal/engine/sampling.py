@@ -47,6 +47,7 @@ def sample(
             sorted_p, order = probs.sort(descending=True)
             # keep the smallest prefix whose mass reaches top_p (always at least the best token)
             drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+            drop[0] = False  # even a top_p that rounds to 0 in float32 keeps the best token
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
         gen = torch.Generator(device="cpu").manual_seed(draw_seed(seeds[i], indices[i]))

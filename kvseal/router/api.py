@@ -90,8 +90,18 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
 
     def check_model(name: str) -> None:
         if name != backend.model_name:
-            raise ModelNotFound(f"The model `{name}` does not exist. This server serves `{backend.model_name}`.",
+            shown = name.encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates stay printable
+            raise ModelNotFound(f"The model `{shown}` does not exist. This server serves `{backend.model_name}`.",
                                 param="model")
+
+    def encode(text: str, chat: bool) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"the {'messages' if chat else 'prompt'} are not valid UTF-8 text "
+                                 f"(a lone surrogate at position {exc.start})",
+                                 param="messages" if chat else "prompt") from None
+        return backend.tokenizer.encode(text, add_special_tokens=not chat)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -117,7 +127,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
                                                          add_generation_prompt=body.add_generation_prompt)
         except ValueError as exc:
             raise InvalidRequest(f"messages: {exc}", param="messages") from exc
-        ids = backend.tokenizer.encode(text, add_special_tokens=False)
+        ids = encode(text, chat=True)
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await run(request, body, ids, max_tokens, top, tenant, chat=True)
@@ -132,7 +142,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
                 raise InvalidRequest("only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = backend.tokenizer.encode(prompt)
+            ids = encode(prompt, chat=False)
         else:
             ids = [int(t) for t in prompt]
             if any(t >= backend.tokenizer.vocab_size for t in ids):

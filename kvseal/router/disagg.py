@@ -153,7 +153,7 @@ class DisaggBackend:
             before_transfer = life.state in (State.ADMITTED, State.RESERVED, State.PREFILLING)
             if isinstance(err, RequestAborted):
                 life.abort(err)
-            elif before_transfer and err.status < 500:
+            elif before_transfer and (err.status < 500 or isinstance(err, Overloaded)):
                 life.reject(err)
             else:
                 life.fail(err)

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _MAX_STOPS = 16
+_I32 = 2**31 - 1  # integers travel between processes as msgpack int64: bound them at the door
 
 
 class StreamOptions(BaseModel):
@@ -40,20 +41,20 @@ class ChatMessage(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=_I32)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=_I32)] | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=_I32)]] | None = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
     presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=_I32)] = 0
     user: str | None = None
     cache_salt: str | None = None
     return_token_ids: bool = False  # vLLM's extension: choices[0].token_ids holds the generated ids
@@ -66,6 +67,8 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"at most {_MAX_STOPS} stop sequences")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty")
+        for s in stops:
+            s.encode("utf-8")  # a lone surrogate is not text: UnicodeEncodeError -> 400
         return v
 
     def stop_list(self) -> tuple[str, ...]:
@@ -74,14 +77,14 @@ class _SamplingFields(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=_I32)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | list[str]
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0, le=_I32)]], Field(min_length=1)] | list[str]
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: Literal[False] = False
     suffix: None = None

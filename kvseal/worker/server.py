@@ -18,7 +18,7 @@ import zmq
 from kvseal import faults as faults_mod
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateDelta
-from kvseal.errors import InvalidRequest, KvsealError
+from kvseal.errors import InternalError, InvalidRequest, KvsealError
 from kvseal.faults import Faults, warn_if_on
 from kvseal.worker import protocol as P
 
@@ -72,7 +72,12 @@ class WorkerServer:
                     self._drain_ctrl()
             self.pump()
             if self.engine.has_work():
-                self.route(self.engine.step())
+                try:
+                    out = self.engine.step()
+                except Exception:
+                    log.exception("engine step failed; failing its requests")
+                    out = self.engine.fail_all(InternalError("the engine failed while running this request"))
+                self.route(out)
         self.close()
 
     def _drain_ctrl(self) -> None:

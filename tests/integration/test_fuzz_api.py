@@ -394,6 +394,47 @@ def test_lone_surrogates_are_a_400(http: httpx.Client, path: str, field: str) ->
     assert r.status_code == (404 if field == "model" else 400), r.text
 
 
+@pytest.fixture(scope="module")
+def disagg_server() -> Iterator[Server]:
+    s = Server(["--max-model-len", str(WINDOW), "--kv-pool-tokens", "2048",
+                "--max-body-bytes", str(MAX_BODY)])
+    try:
+        yield s.ready(300)
+    finally:
+        s.stop()
+
+
+HOSTILE_ACROSS_PROCESSES = [  # values the unified engine takes in stride, but that cross a process boundary
+    ("top_k", 10**30), ("stop_token_ids", [2**70]), ("min_tokens", 2**64), ("seed", 2**63 - 1),
+    ("prompt", "a\ud800b"), ("stop", ["\udfff"]), ("user", "\ud800"), ("cache_salt", "\udfff"),
+    ("temperature", 1e-40),  # last: today it kills the prefill worker, and every later case with it
+]
+
+
+def test_disaggregated_server_survives_hostile_values(disagg_server: Server) -> None:
+    """The same API in front of separate prefill and decode processes: a hostile value is refused (4xx) or
+    served, never a 5xx, and it never takes a worker down for everyone else."""
+    failures = []
+    for key, value in HOSTILE_ACROSS_PROCESSES:
+        what = f"{key}={value!r:.40}"
+        # a fresh connection each time: after an unhandled error the server closes the one it answered on
+        with httpx.Client(base_url=disagg_server.url, timeout=120) as c:
+            body = base_body(COMPLETIONS) | {key: value}
+            r = post_json(c, COMPLETIONS, body)
+            if r.status_code >= 500:
+                failures.append(f"{what}: {r.status_code} {r.text[:200]}")
+            else:
+                check_any(r, COMPLETIONS, body, 2)
+        with httpx.Client(base_url=disagg_server.url, timeout=120) as c:
+            ok = post_json(c, COMPLETIONS, base_body(COMPLETIONS))
+            if ok.status_code != 200 or c.get("/health").status_code != 200:
+                failures.append(f"after {what} a normal request got {ok.status_code}: {ok.text[:200]}")
+    with httpx.Client(base_url=disagg_server.url, timeout=120) as c:
+        wait_until(lambda: all(w["free_pages"] == w["pool_pages"] for w in c.get("/info").json()["workers"]),
+                   30, "pools at baseline")
+    assert not failures, "\n".join(failures)
+
+
 def test_openapi_paths_and_methods(http: httpx.Client) -> None:
     """Every operation the server documents answers; methods it does not document get a clean 405."""
     spec = http.get("/openapi.json").json()

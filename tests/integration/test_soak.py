@@ -199,7 +199,7 @@ async def client(i: int, http: httpx.AsyncClient, deadline: float, tally: Tally)
 
 def server_warnings(server: Server, n: int = 30) -> str:
     lines = [x for x in server.output().splitlines()
-             if " WARNING " in x or " ERROR " in x or "Traceback" in x]
+             if " WARNING " in x or " ERROR " in x or "Traceback" in x or "Exception" in x]
     return "\n".join([f"server warnings and errors (last {n}):", *lines[-n:]])
 
 
@@ -213,7 +213,9 @@ def worker_baseline(url: str) -> bool | list[dict[str, Any]]:
 
 async def soak(server: Server) -> tuple[Tally, dict[str, int], float]:
     tally = Tally()
-    limits = httpx.Limits(max_connections=CLIENTS + 16, max_keepalive_connections=CLIENTS + 16)
+    # No keep-alive: a pooled connection that the server closes as idle just as a client reuses it fails with
+    # a ReadError that says nothing about the server; a fresh connection per request cannot race like that.
+    limits = httpx.Limits(max_connections=CLIENTS + 16, max_keepalive_connections=0)
     timeout = httpx.Timeout(DRAIN_S, connect=60.0)
     start = time.monotonic()
     deadline = start + SECONDS
