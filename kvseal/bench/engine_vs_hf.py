@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     p.add_argument("--skip-http", action="store_true", help="do not start servers (in-process engine only)")
     p.add_argument("--skip-disagg", action="store_true", help="HTTP unified only, not router+prefill+decode")
+    p.add_argument("--wait-timeout", type=float, default=3600.0,
+                   help="kvseal's admission timeout (its default, 60 s, rejects queued requests on a slow CPU)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads here and in each server process (default: torch's / kvseal serve's choice)")
     p.add_argument("--quick", action="store_true", help="smoke run: c=1,4, 32+16 tokens, prefill 256, 1 repeat")
@@ -226,7 +228,7 @@ def tables(out: dict[str, Any], concs: list[int], prefill_len: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    from kvseal.config import EngineConfig, ModelConfig
+    from kvseal.config import EngineConfig, ModelConfig, SchedulerConfig
     from kvseal.engine.engine import Engine
     from kvseal.model.loader import load_checkpoint
 
@@ -258,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
             pool = stack.enter_context(ThreadPoolExecutor(1, "bench"))
             if not a.skip_hf:
                 runs["hf"] = on_thread(pool, hf_run_fn(hf_model(ckpt, dtype), pad_id, hf_out))
-            engine = Engine(EngineConfig(model=ModelConfig(path=a.model, dtype=dtype)), ckpt)
+            engine = Engine(EngineConfig(model=ModelConfig(path=a.model, dtype=dtype),
+                                         scheduler=SchedulerConfig(wait_timeout_s=a.wait_timeout)), ckpt)
             runs["engine"] = on_thread(pool, engine_run_fn(engine, eng_out))
-            model_arg = ([a.model] if a.model else []) + (["--threads", str(a.threads)] if a.threads else [])
+            model_arg = ([a.model] if a.model else []) + (["--threads", str(a.threads)] if a.threads else []) \
+                + ["--wait-timeout", str(a.wait_timeout)]
             for system, extra in (("http", ["--unified"]), ("disagg", [])):
                 if not (a.skip_http or (system == "disagg" and a.skip_disagg)):
                     runs[system] = stack.enter_context(server([*model_arg, "--dtype", dtype, *extra]))
