@@ -6,7 +6,8 @@ Policy, once per step, under a token budget:
      later) until the older one fits.
   2. then waiting sequences, oldest first, as long as budget and batch slots allow; one whose pages are not
      free now is skipped for this step.
-Waiting is bounded: a sequence that waits longer than wait_timeout_s ends REJECTED with 503.
+Waiting for pages is bounded: a sequence refused pages at every step for wait_timeout_s ends REJECTED with
+503. Waiting behind other requests' compute is not bounded here (the queue length is: max_waiting).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Scheduler:
     def schedule(self) -> tuple[Batch, list[Sequence]]:
         """Returns the batch for this step and the sequences preempted to make room."""
         batch, preempted = Batch(), []
+        now = time.monotonic()
         budget = self.cfg.max_num_batched_tokens
         for seq in list(self.running):
             if budget == 0:
@@ -64,26 +66,34 @@ class Scheduler:
             else:
                 batch.add(seq, n)
                 budget -= n
-        for seq in list(self.waiting):
+        queue, considered = list(self.waiting), 0
+        for seq in queue:
             if budget == 0 or preempted or len(self.running) >= self.cfg.max_num_seqs:
                 break
+            considered += 1
             n = min(seq.num_tokens - seq.num_computed, budget)
             # one that does not fit now is skipped, not waited on: a long recompute at the head of the queue
             # must not block a request that already holds its pages (a verified handoff on decode)
             if not self._grow(seq, seq.num_computed + n):
+                if seq.blocked_since is None:
+                    seq.blocked_since = now
                 continue
+            seq.blocked_since = None
             self.waiting.remove(seq)
             self.running.append(seq)
             if seq.first_scheduled is None:
-                seq.first_scheduled = time.monotonic()
+                seq.first_scheduled = now
             batch.add(seq, n)
             budget -= n
+        for seq in queue[considered:]:
+            seq.blocked_since = None  # not reached this step: queued behind compute, not refused pages
         return batch, preempted
 
     def expired(self, now: float) -> list[Sequence]:
-        """Waiting sequences that were never scheduled and waited past the limit."""
+        """Waiting sequences that were never scheduled and were refused pages for longer than the limit."""
         limit = self.cfg.wait_timeout_s
-        return [s for s in self.waiting if s.first_scheduled is None and now - s.arrival > limit]
+        return [s for s in self.waiting if s.first_scheduled is None and s.blocked_since is not None
+                and now - s.blocked_since > limit]
 
     def remove(self, seq: Sequence) -> None:
         """Take seq out of the queues and free its pages (scrubbed by the allocator)."""

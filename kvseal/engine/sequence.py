@@ -34,6 +34,9 @@ class Sequence:
         self.pending_logprobs: list[TokenLogprob] = []
         self.arrival = time.monotonic()
         self.first_scheduled: float | None = None
+        # since when this waiting sequence has been refused pages at every step it was considered (None
+        # while it is not blocked on pages): a queue that is merely busy computing never times out
+        self.blocked_since: float | None = None
 
     @property
     def num_tokens(self) -> int:

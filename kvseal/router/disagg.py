@@ -97,6 +97,10 @@ class DisaggBackend:
         return any(w.alive for w in self.prefills) and any(w.alive for w in self.decodes)
 
     async def info(self) -> dict[str, Any]:
+        # fresh from every live worker (the heartbeat's copy may be a second old); a worker that does not
+        # answer within 2 s is shown with its last known figures and alive as the heartbeat last saw it
+        live = [w for w in self.prefills + self.decodes if w.alive]
+        await asyncio.gather(*(w.fetch_info(timeout=2.0) for w in live), return_exceptions=True)
         workers = [{"role": w.role, "endpoint": w.endpoint, "alive": w.alive, "inflight": w.inflight,
                     **w.info} for w in self.prefills + self.decodes]
         return {"role": "router", "model": self.model_name, "context_window": self.context_window,
@@ -146,6 +150,7 @@ class DisaggBackend:
                     raise KvsealError.from_info(item.error)
                 if item.final is not None:
                     life.finish(FinishReason(item.final))
+                    await self._prefill_settled(prefill_task, rid)
                 yield item
                 if item.final is not None:
                     return
@@ -224,6 +229,15 @@ class DisaggBackend:
             return TransferTimeout(f"no verified KV handoff for {req.request_id} within "
                                    f"{self.handoff_timeout_s:g}s").to_info()
         return WorkerFailed(f"{decode.name} produced nothing for {self.stall_timeout_s:g}s").to_info()
+
+    async def _prefill_settled(self, task: asyncio.Task[P.Message], rid: str) -> None:
+        """Decode is done; hold the last delta until prefill reported the handoff ended (its pages scrubbed
+        and freed), so a client that sees its response end sees every worker back at baseline (seal 8).
+        Bounded: prefill's answer follows decode's ack within milliseconds; a lost answer only logs."""
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=10.0)
+        except Exception as exc:  # noqa: BLE001 - the output is complete and verified either way
+            log.warning("request %s: no handoff answer from prefill after decode finished: %r", rid, exc)
 
     async def _safe_notify(self, w: WorkerClient, msg: P.Message) -> None:
         try:

@@ -98,7 +98,7 @@ def test_models_and_info(server: Server) -> None:
     workers = info["workers"] if info["role"] == "router" else [info]
     assert {w["role"] for w in workers} in ({"unified"}, {"prefill", "decode"})
     for w in workers:  # seal 8: nothing held between requests
-        assert w["free_pages"] == w["pool_pages"]
+        assert w["free_pages"] == w["pool_pages"], w
 
 
 def _all_pages_free(server: Server) -> bool:

@@ -114,6 +114,21 @@ def test_wait_is_bounded_then_503(tiny: Checkpoint) -> None:
     assert e.allocator.num_free == e.pool.num_pages
 
 
+def test_queueing_behind_compute_is_not_a_page_timeout(tiny: Checkpoint) -> None:
+    # plenty of pages, a small token budget: later requests wait behind earlier prefills far longer than
+    # wait_timeout_s, yet none was ever refused pages, so none may end 503
+    e = make_engine(tiny, pool_tokens=1024, page_size=4, budget=16, wait_timeout=0.02)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for i in range(6):
+        e.add_request(GenerateRequest(str(i), prompt(48, 10 + i), params))
+    out: dict[str, list[GenerateDelta]] = {}
+    while e.has_work():
+        for d in e.step():
+            out.setdefault(d.request_id, []).append(d)
+        time.sleep(0.01)
+    assert {r: ds[-1].final for r, ds in out.items()} == {str(i): "length" for i in range(6)}
+
+
 def test_seal5_foreign_page_fails_only_that_request(tiny: Checkpoint) -> None:
     e = make_engine(tiny)
     e.add_request(GenerateRequest("victim", prompt(20, 5), GREEDY))
