@@ -210,6 +210,12 @@ def cmd_audit(a: argparse.Namespace) -> int:
     return run_audit(a)
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from kvseal.bench.load.__main__ import run_bench
+
+    return run_bench(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvseal", description="A disaggregated LLM server with sealed KV.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -264,6 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_audit_args(audit)
     audit.set_defaults(func=cmd_audit)
+
+    from kvseal.bench.load.config import add_bench_args  # argparse only, like the audit's
+
+    bench = sub.add_parser("bench", help="load generator and latency/throughput report for any OpenAI-compatible "
+                           "server (exit 0 all completed, 1 some failed, 2 could not run)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -44,7 +44,7 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="bearer token to send (the server's API key)")
 
 
-def _base_url(url: str) -> str:
+def base_url(url: str) -> str:
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL: {url!r}")
@@ -123,7 +123,7 @@ async def _audit(a: argparse.Namespace, base: str) -> int:
 def run_audit(a: argparse.Namespace) -> int:
     problem = _check_args(a)
     try:
-        base = _base_url(a.url)
+        base = base_url(a.url)
     except ValueError as exc:
         problem = str(exc)
     if problem:

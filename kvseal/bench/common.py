@@ -128,9 +128,8 @@ def left_pad(batch: Sequence[Sequence[int]], pad_id: int) -> tuple[list[list[int
     return ids, mask
 
 
-def machine_info() -> dict[str, Any]:
-    import torch
-
+def host_info() -> dict[str, Any]:
+    """CPU model, cores, vector ISA, memory and Python: no torch import, so a load generator can call it."""
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -139,17 +138,25 @@ def machine_info() -> dict[str, Any]:
         flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
     except OSError:
         flags = []
+    return {"cpu": cpu, "cores": os.cpu_count(),
+            "isa": sorted({f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma"))}),
+            "python": platform.python_version(),
+            "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+
+
+def machine_info() -> dict[str, Any]:
+    """host_info() plus the torch (and transformers) build the in-process benchmarks ran on."""
+    import torch
+
     try:
         import transformers
 
         tf_version = transformers.__version__
     except ImportError:
         tf_version = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "isa": sorted({f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma"))}),
+    return {**host_info(), "torch_threads": torch.get_num_threads(),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "transformers": tf_version, "python": platform.python_version(),
-            "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+            "transformers": tf_version}
 
 
 def hf_model(ckpt: Any, dtype: str) -> Any:

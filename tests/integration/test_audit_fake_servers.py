@@ -14,19 +14,18 @@ import asyncio
 import json
 import re
 import socket
-import threading
 import time
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from kvseal.audit.__main__ import main as audit_main
 from kvseal.cli import main as cli_main
+from tests.helpers.fake_http import serve
 
 pytestmark = pytest.mark.integration
 
@@ -95,25 +94,6 @@ def fake_app(mode: str) -> FastAPI:
         return await handle(request, False)
 
     return app
-
-
-def serve(app: FastAPI) -> Generator[str, None, None]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
