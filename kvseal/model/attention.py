@@ -32,6 +32,13 @@ class AttentionMeta:
     prefills: list[PrefillSpan]
 
 
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """cache (P, S, KVH, D), pages (...,) int64 -> (..., S * KVH * D): whole pages copied as contiguous rows
+    (index_select on page-sized rows is about twice as fast on CPU as advanced indexing of the 4-D pool)."""
+    num_pages = cache.shape[0]
+    return cache.view(num_pages, -1).index_select(0, pages.reshape(-1)).view(*pages.shape, -1)
+
+
 def paged_attention(
     q: torch.Tensor,  # (T, H, D)
     k: torch.Tensor,  # (T, KVH, D) new keys, already rotated
@@ -49,16 +56,17 @@ def paged_attention(
         assert meta.decode_pages is not None and meta.decode_mask is not None
         bd, max_pages = meta.decode_pages.shape
         ctx = max_pages * page_size
-        kd = k_cache[meta.decode_pages].view(bd, ctx, kvh, d).transpose(1, 2)  # (Bd, KVH, ctx, D)
-        vd = v_cache[meta.decode_pages].view(bd, ctx, kvh, d).transpose(1, 2)
+        kd = gather_pages(k_cache, meta.decode_pages).view(bd, ctx, kvh, d).transpose(1, 2)  # (Bd, KVH, ctx, D)
+        vd = gather_pages(v_cache, meta.decode_pages).view(bd, ctx, kvh, d).transpose(1, 2)
         qd = q[meta.decode_rows].unsqueeze(2)  # (Bd, H, 1, D)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
         out[meta.decode_rows] = od.squeeze(2)
 
     for span in meta.prefills:
         n = span.pages.shape[0]
-        ks = k_cache[span.pages].view(n * page_size, kvh, d)[: span.kv_len].transpose(0, 1)  # (KVH, L, D)
-        vs = v_cache[span.pages].view(n * page_size, kvh, d)[: span.kv_len].transpose(0, 1)
+        # (KVH, kv_len, D) each
+        ks = gather_pages(k_cache, span.pages).view(n * page_size, kvh, d)[: span.kv_len].transpose(0, 1)
+        vs = gather_pages(v_cache, span.pages).view(n * page_size, kvh, d)[: span.kv_len].transpose(0, 1)
         qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # (H, q_len, D)
         if span.mask is None:
             os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)

@@ -15,21 +15,20 @@ from kvseal.model.rope import apply_rope, cos_sin_table
 
 
 class _Layer:
-    __slots__ = ("bk", "bq", "bv", "ln1", "ln2", "w_down", "w_gate", "w_up", "wk", "wo", "wq", "wv")
+    """One decoder layer's weights. q/k/v and gate/up are stored fused, so a layer is four matrix products:
+    wqkv (H*D + 2*KVH*D, E), wo (E, H*D), w_gate_up (2*I, E), w_down (E, I)."""
+
+    __slots__ = ("bqkv", "ln1", "ln2", "w_down", "w_gate_up", "wo", "wqkv")
 
     def __init__(self, w: dict[str, torch.Tensor], i: int, arch: ModelArch) -> None:
         p = f"model.layers.{i}."
         self.ln1 = w[p + "input_layernorm.weight"]
-        self.wq = w[p + "self_attn.q_proj.weight"]
-        self.wk = w[p + "self_attn.k_proj.weight"]
-        self.wv = w[p + "self_attn.v_proj.weight"]
-        self.bq = w.get(p + "self_attn.q_proj.bias") if arch.attention_bias else None
-        self.bk = w.get(p + "self_attn.k_proj.bias") if arch.attention_bias else None
-        self.bv = w.get(p + "self_attn.v_proj.bias") if arch.attention_bias else None
+        qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
+        self.wqkv = torch.cat([w[n + ".weight"] for n in qkv])
+        self.bqkv = torch.cat([w[n + ".bias"] for n in qkv]) if arch.attention_bias else None
         self.wo = w[p + "self_attn.o_proj.weight"]
         self.ln2 = w[p + "post_attention_layernorm.weight"]
-        self.w_gate = w[p + "mlp.gate_proj.weight"]
-        self.w_up = w[p + "mlp.up_proj.weight"]
+        self.w_gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
         self.w_down = w[p + "mlp.down_proj.weight"]
 
 
@@ -65,17 +64,19 @@ class LlamaModel:
     ) -> torch.Tensor:  # (B, V) float32 logits
         a = self.arch
         t = input_ids.shape[0]
+        kvd = a.num_kv_heads * a.head_dim
         h = F.embedding(input_ids, self.embed)  # (T, E)
         cos, sin = self.cos[positions], self.sin[positions]  # (T, D)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.ln1, a.rms_eps)
-            q = F.linear(x, layer.wq, layer.bq).view(t, a.num_heads, a.head_dim)
-            k = F.linear(x, layer.wk, layer.bk).view(t, a.num_kv_heads, a.head_dim)
-            v = F.linear(x, layer.wv, layer.bv).view(t, a.num_kv_heads, a.head_dim)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            o = paged_attention(q, k, v, k_cache[i], v_cache[i], meta)  # (T, H, D)
+            qkv = F.linear(x, layer.wqkv, layer.bqkv)  # (T, (H + 2 * KVH) * D)
+            q, k, v = qkv.split([a.num_heads * a.head_dim, kvd, kvd], dim=-1)
+            q = apply_rope(q.view(t, a.num_heads, a.head_dim), cos, sin)
+            k = apply_rope(k.view(t, a.num_kv_heads, a.head_dim), cos, sin)
+            o = paged_attention(q, k, v.view(t, a.num_kv_heads, a.head_dim), k_cache[i], v_cache[i], meta)
             h = h + F.linear(o.reshape(t, a.num_heads * a.head_dim), layer.wo)
             x = rms_norm(h, layer.ln2, a.rms_eps)
-            h = h + F.linear(F.silu(F.linear(x, layer.w_gate)) * F.linear(x, layer.w_up), layer.w_down)
+            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)  # (T, I) each
+            h = h + F.linear(F.silu(gate) * up, layer.w_down)
         h = rms_norm(h[logits_rows], self.norm, a.rms_eps)
         return F.linear(h, self.lm_head).float()
