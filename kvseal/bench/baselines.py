@@ -117,27 +117,26 @@ def _num(v: Any, digits: int) -> str:
 
 
 def build_table(results: dict[str, dict[str, Any] | None]) -> str:
-    """One markdown table: a row per concurrency level, for each metric a column per system.
+    """One markdown table, a row per (load level, system), the systems of a level next to each other.
 
     `results` maps a system to its `kvseal bench` JSON (None: the system did not run). Failed requests and
     outputs shorter than asked are listed under the table, since they make a row incomparable."""
-    systems = list(results)
     per = {s: passes_by_level(r) if r else {} for s, r in results.items()}
     levels: list[str] = []
-    for s in systems:
+    for s in results:
         levels += [lv for lv in per[s] if lv not in levels]
-    headers = ["load", *(f"{name}: {SYSTEMS.get(s, s)}" for name, _, _ in METRICS for s in systems)]
-    rows = [[lv, *(_num(per[s].get(lv, {}).get(key), d) if lv in per[s] else "—"
-                   for _, key, d in METRICS for s in systems)] for lv in levels]
+    rows = [[lv, SYSTEMS.get(s, s), *(_num(per[s][lv].get(key), d) for _, key, d in METRICS)]
+            for lv in levels for s in results if lv in per[s]]
     notes = []
-    for s in systems:
-        if results[s] is None:
+    for s, r in results.items():
+        if r is None:
             notes.append(f"- {SYSTEMS.get(s, s)}: did not run")
         for lv, m in per[s].items():
             failed, short = m.get("failed") or 0, m.get("short_outputs") or 0
             if failed or short:
                 notes.append(f"- {SYSTEMS.get(s, s)} {lv}: {failed} failed, {short} short outputs")
-    return markdown_table(headers, rows) + ("\n\n" + "\n".join(notes) if notes else "")
+    table = markdown_table(["load", "system", *(name for name, _, _ in METRICS)], rows)
+    return table + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 # -- running ---------------------------------------------------------------------------------------------

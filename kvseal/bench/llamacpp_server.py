@@ -22,17 +22,16 @@ def _is_token_ids(v: Any) -> bool:
 
 def patch_token_id_prompts() -> type:
     """Replace llama_cpp.server.types.CreateCompletionRequest (must run before llama_cpp.server.app loads)."""
-    if "llama_cpp.server.app" in sys.modules:
-        raise RuntimeError("llama_cpp.server.app is already imported: patch before importing it")
     import pydantic
     from llama_cpp.server import types as llama_types
 
     base: Any = llama_types.CreateCompletionRequest
-    if getattr(base, "_kvseal_token_ids", False):
-        return base  # type: ignore[no-any-return]
+    if base.__module__ == __name__:  # patched already
+        return base
+    if "llama_cpp.server.app" in sys.modules:
+        raise RuntimeError("llama_cpp.server.app is already imported: patch before importing it")
 
-    class CompletionRequestWithTokenIds(base):  # type: ignore[misc,valid-type]
-        _kvseal_token_ids = True
+    class CompletionRequestWithTokenIds(base):
         prompt: str | list[str] | list[list[int]] = pydantic.Field(
             default="", description="The prompt: text, [text], or a list of token ids.")
 
@@ -42,7 +41,7 @@ def patch_token_id_prompts() -> type:
             return [v] if _is_token_ids(v) else v
 
     CompletionRequestWithTokenIds.__name__ = base.__name__
-    llama_types.CreateCompletionRequest = CompletionRequestWithTokenIds
+    llama_types.CreateCompletionRequest = CompletionRequestWithTokenIds  # type: ignore[misc]
     return CompletionRequestWithTokenIds
 
 

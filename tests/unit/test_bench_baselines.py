@@ -73,6 +73,10 @@ def _result(levels: list[tuple[int, float, float | None, float | None]], failed:
                      "failed": failed, "short_outputs": short}} for c, tok, ttft, tpot in levels]}
 
 
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
 def test_build_table() -> None:
     results: dict[str, dict[str, Any] | None] = {
         "kvseal": _result([(1, 100.0, 20.5, 9.87), (4, 350.25, 30.0, 11.0)]),
@@ -81,18 +85,17 @@ def test_build_table() -> None:
     }
     table = bl.build_table(results)
     lines = table.splitlines()
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert header == ["load", "output tok/s: kvseal unified", "output tok/s: llama-cpp-python",
-                      "output tok/s: transformers", "median TTFT (ms): kvseal unified",
-                      "median TTFT (ms): llama-cpp-python", "median TTFT (ms): transformers",
-                      "median TPOT (ms): kvseal unified", "median TPOT (ms): llama-cpp-python",
-                      "median TPOT (ms): transformers"]
-    row1 = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert row1 == ["c=1", "100.0", "250.0", "—", "20.5", "5.0", "—", "9.9", "4.0", "—"]
-    row4 = [c.strip() for c in lines[3].strip("|").split("|")]
-    assert row4 == ["c=4", "350.2", "260.0", "—", "30.0", "400.0", "—", "11.0", "—", "—"]
+    assert _cells(lines[0]) == ["load", "system", "output tok/s", "median TTFT (ms)", "median TPOT (ms)"]
+    assert [_cells(ln) for ln in lines[2:6]] == [
+        ["c=1", "kvseal unified", "100.0", "20.5", "9.9"],
+        ["c=1", "llama-cpp-python", "250.0", "5.0", "4.0"],
+        ["c=4", "kvseal unified", "350.2", "30.0", "11.0"],
+        ["c=4", "llama-cpp-python", "260.0", "400.0", "—"],
+    ]
+    assert lines[6] == ""
     assert "- transformers: did not run" in table
     assert "- llama-cpp-python c=1: 0 failed, 3 short outputs" in table
+    assert "llama-cpp-python c=4: 0 failed, 3 short outputs" in table
 
 
 def test_table_levels_union_and_rate_labels() -> None:
@@ -100,7 +103,7 @@ def test_table_levels_union_and_rate_labels() -> None:
                     {"level": {"max_concurrency": None, "request_rate": 2.5}, "metrics": {"output_tok_s": 2}}]}
     assert list(bl.passes_by_level(a)) == ["rate=inf", "rate=2.5/s"]
     t = bl.build_table({"kvseal": _result([(1, 1.0, 1.0, 1.0)]), "hf": _result([(2, 2.0, 2.0, 2.0)])})
-    assert [ln.split("|")[1].strip() for ln in t.splitlines()[2:]] == ["c=1", "c=2"]
+    assert [_cells(ln)[:2] for ln in t.splitlines()[2:]] == [["c=1", "kvseal unified"], ["c=2", "transformers"]]
 
 
 # -- hf_server -------------------------------------------------------------------------------------------
@@ -223,7 +226,7 @@ def test_llamacpp_shim_accepts_token_ids() -> None:
         "orig = T.CreateCompletionRequest\n"
         "cls = patch_token_id_prompts()\n"
         "import llama_cpp.server.app as app\n"
-        "assert app.CreateCompletionRequest is cls\n"
+        "assert app.CreateCompletionRequest is cls and patch_token_id_prompts() is cls\n"
         "assert cls(prompt=[1, 2, 3]).prompt == [[1, 2, 3]]\n"
         "assert cls(prompt='hi').prompt == 'hi' and cls(prompt=['hi']).prompt == ['hi']\n"
         "try:\n    orig(prompt=[1, 2, 3])\nexcept pydantic.ValidationError:\n    print('orig-rejects')\n"
