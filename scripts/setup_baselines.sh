@@ -76,3 +76,25 @@ import transformers
 print("llama_cpp", llama_cpp.__version__, "|", llama_cpp.llama_print_system_info().decode().strip())
 print("transformers", transformers.__version__)
 EOF
+# self-check of kvseal's shim on the installed package (not in the test suite, which never needs llama.cpp):
+# the stock request model refuses token-id prompts (422); the patched one takes them
+"$PY" - <<'EOF'
+import pydantic
+from llama_cpp.server import types as T
+
+from kvseal.bench.llamacpp_server import patch_token_id_prompts
+
+orig = T.CreateCompletionRequest
+cls = patch_token_id_prompts()
+import llama_cpp.server.app as app  # noqa: E402
+
+assert app.CreateCompletionRequest is cls and patch_token_id_prompts() is cls
+assert cls(prompt=[1, 2, 3]).prompt == [[1, 2, 3]]
+assert cls(prompt="hi").prompt == "hi" and cls(prompt=["hi"]).prompt == ["hi"]
+try:
+    orig(prompt=[1, 2, 3])
+    raise SystemExit("llama_cpp's own request model now takes token ids: the shim may be unnecessary")
+except pydantic.ValidationError:
+    pass
+print("token-id prompt shim: ok")
+EOF
