@@ -1,0 +1,125 @@
+"""What the seals cost: the same workload with kvseal's runtime checks on and off, in one run.
+
+    python -m kvseal.bench.seal_cost                 # 32 requests x (128 prompt + 128 new), 5 interleaved repeats
+
+Measured in-process on one engine (no HTTP, so the checks are not hidden behind other overhead):
+  engine   output tok/s of the whole workload with scrub (seal 6) and the per-step ownership check (seal 5) on,
+           against both off (the engine built with scrub=False, and the runner's check replaced by "no
+           violations" in this benchmark only: kvseal itself has no switch to turn seal 5 off);
+  handoff  the checksums of a handoff (seal 4: xxh3 over every page, computed by prefill and again by decode)
+           against the prefill compute of the same prompt: the share of a request's prefill time they add.
+Repeats alternate on/off so that machine noise hits both; figures are medians, the ratio is per repeat pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvseal.bench.common import machine_info
+from kvseal.config import CacheConfig, EngineConfig, ModelConfig
+from kvseal.engine.engine import Engine
+from kvseal.engine.messages import GenerateRequest, SamplingParams
+from kvseal.model.loader import load_checkpoint
+from kvseal.transfer.manifest import pack_pages, page_checksums
+
+
+def run_workload(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str) -> float:
+    """Output tok/s of all prompts run concurrently to the end."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(GenerateRequest(f"{tag}-{i}", ids, params))
+    produced = 0
+    while engine.has_work():
+        for d in engine.step():
+            assert d.error is None, d.error
+            produced += len(d.token_ids)
+    return produced / (time.perf_counter() - t0)
+
+
+def handoff_share(engine: Engine, prompt: list[int]) -> tuple[float, float]:
+    """(checksum seconds for both sides, prefill seconds) for one prompt of this length."""
+    t0 = time.perf_counter()
+    engine.add_request(GenerateRequest("handoff", prompt, SamplingParams(max_tokens=2, temperature=0.0)))  # pages held
+    seq = engine.seqs["handoff"]
+    while seq.num_computed < len(prompt):
+        engine.step()
+    t_prefill = time.perf_counter() - t0
+    payload = pack_pages(engine.pool.k, engine.pool.v, seq.pages[: -(-len(prompt) // engine.pool.page_size)])
+    assert payload.num_pages > 0
+    t1 = time.perf_counter()
+    page_checksums(payload)  # prefill computes them into the manifest ...
+    page_checksums(payload)  # ... decode recomputes them before it uses a byte
+    t_sums = time.perf_counter() - t1
+    while engine.has_work():
+        engine.step()
+    return t_sums, t_prefill
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvseal.bench.seal_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="bench_out/seal_cost.json")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    ckpt = load_checkpoint(None)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 20000) for _ in range(a.prompt_len)] for _ in range(a.requests)]
+
+    def engine(sealed: bool) -> Engine:
+        tokens = a.requests * (a.prompt_len + a.new_tokens) + 1024
+        e = Engine(EngineConfig(model=ModelConfig(dtype=a.dtype),
+                                cache=CacheConfig(pool_tokens=tokens, scrub=sealed)), ckpt)
+        if not sealed:  # benchmark-only: the ownership check reports nothing and costs nothing
+            e.runner.check_ownership = lambda batch: []  # type: ignore[method-assign]
+        return e
+
+    on, off = engine(True), engine(False)
+    run_workload(on, prompts[:2], 4, "warm")
+    run_workload(off, prompts[:2], 4, "warm")
+    pairs: list[tuple[float, float]] = []
+    for r in range(a.repeats):
+        first, second = ((on, off) if r % 2 == 0 else (off, on))
+        x = run_workload(first, prompts, a.new_tokens, f"r{r}a")
+        y = run_workload(second, prompts, a.new_tokens, f"r{r}b")
+        pairs.append((x, y) if first is on else (y, x))
+        print(f"repeat {r}: sealed {pairs[-1][0]:.1f} tok/s, unsealed {pairs[-1][1]:.1f} tok/s", flush=True)
+    sums, prefill = zip(*(handoff_share(on, prompts[i % len(prompts)]) for i in range(a.repeats)))
+    result: dict[str, Any] = {
+        "workload": {"requests": a.requests, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+                     "dtype": a.dtype, "threads": torch.get_num_threads()},
+        "sealed_tok_s": statistics.median(x for x, _ in pairs),
+        "unsealed_tok_s": statistics.median(y for _, y in pairs),
+        "sealed_over_unsealed": statistics.median(x / y for x, y in pairs),
+        "checksum_s_per_handoff": statistics.median(sums),
+        "prefill_s_per_prompt": statistics.median(prefill),
+        "runs": pairs, "machine": machine_info(),
+    }
+    result["checksum_share_of_prefill"] = result["checksum_s_per_handoff"] / result["prefill_s_per_prompt"]
+    print(f"engine: sealed {result['sealed_tok_s']:.1f} tok/s, unsealed {result['unsealed_tok_s']:.1f} tok/s, "
+          f"ratio {result['sealed_over_unsealed']:.3f} (median of {a.repeats} pairs)")
+    print(f"handoff: checksums {result['checksum_s_per_handoff'] * 1e3:.2f} ms (both sides) for a "
+          f"{a.prompt_len}-token prompt whose prefill took {result['prefill_s_per_prompt'] * 1e3:.0f} ms "
+          f"({result['checksum_share_of_prefill']:.2%})")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
