@@ -174,6 +174,12 @@ class DecodeEngine(Engine):
         seq = entry[0]
         self._end(seq, lambda: seq.life.reject(error) if rejected else seq.life.fail(error))
 
+    def renew(self, request_id: str, deadline: float) -> None:
+        """Push a live reservation's deadline out (its prefill is queued behind others); no-op once it ended."""
+        entry = self.reserved.get(request_id)
+        if entry is not None:
+            self.reserved[request_id] = (entry[0], max(entry[1], deadline))
+
     def expire_reservations(self, now: float) -> None:
         for rid, (seq, deadline) in list(self.reserved.items()):
             if now > deadline:

@@ -38,7 +38,7 @@ log = logging.getLogger("kvseal.router")
 class DisaggBackend:
     def __init__(self, tokenizer: Tokenizer, model_name: str | None, prefill: list[str], decode: list[str],
                  max_model_len: int | None = None, startup_timeout_s: float = 300.0,
-                 handoff_timeout_s: float = 300.0, stall_timeout_s: float = 120.0,
+                 handoff_timeout_s: float = 600.0, stall_timeout_s: float = 120.0, renew_every_s: float = 10.0,
                  wait_timeout_s: float = 60.0, capacity_check: bool = True) -> None:
         self.tokenizer = tokenizer
         self._name = model_name
@@ -47,6 +47,7 @@ class DisaggBackend:
         self.max_model_len = max_model_len
         self.startup_timeout_s, self.handoff_timeout_s = startup_timeout_s, handoff_timeout_s
         self.stall_timeout_s, self.wait_timeout_s = stall_timeout_s, wait_timeout_s
+        self.renew_every_s = renew_every_s  # at most this, and at most a quarter of decode's reservation timeout
         self.context_window = 0
         self.capacity_check = capacity_check  # False only under the test-only incident fault
         self.prefills: list[WorkerClient] = []
@@ -132,13 +133,14 @@ class DisaggBackend:
             reservation = await self._reserve(decode, req)
             life.advance(State.RESERVED)
             q = decode.subscribe(rid)
+            started = prefill.watch_handoff(rid)
             life.advance(State.PREFILLING)
             prefill_task = asyncio.ensure_future(prefill.call(
                 lambda cid: P.PrefillReq(call_id=cid, request=req, reservation=reservation),
                 self.handoff_timeout_s))
             first = True
             while True:
-                item = await self._next(q, prefill_task, prefill, decode, first, req)
+                item = await self._next(q, prefill_task, started, decode, first, req)
                 if isinstance(item, ErrorInfo):
                     raise KvsealError.from_info(item)
                 if first:
@@ -179,6 +181,8 @@ class DisaggBackend:
                 prefill_task.cancel()
             if q is not None and decode is not None:
                 decode.unsubscribe(rid)
+            if prefill is not None:
+                prefill.unsubscribe(rid)
             for w in (prefill, decode):
                 if w is not None:
                     w.inflight -= 1
@@ -200,16 +204,26 @@ class DisaggBackend:
             await asyncio.sleep(0.05)
 
     async def _next(self, q: asyncio.Queue[GenerateDelta | ErrorInfo], prefill_task: asyncio.Task[P.Message],
-                    prefill: WorkerClient, decode: WorkerClient, first: bool,
+                    started: asyncio.Event, decode: WorkerClient, first: bool,
                     req: GenerateRequest) -> GenerateDelta | ErrorInfo:
-        """The next delta from decode. Before the first one, a prefill failure ends the request."""
+        """The next delta from decode. Before the first one, a prefill failure ends the request, and while
+        the prompt is still queued or computing on prefill, decode's reservation is renewed: a busy prefill
+        queue is not a transfer timeout. Once prefill reports the handoff started, decode's own reservation
+        timeout bounds the transfer."""
         timeout = self.handoff_timeout_s if first else self.stall_timeout_s
+        renew_every = min(self.renew_every_s, float(decode.info.get("reservation_timeout_s", 120.0)) / 4)
+        deadline = time.monotonic() + timeout
         get = asyncio.ensure_future(q.get())
-        waiting: set[asyncio.Future[Any]] = {get}
-        if first and not prefill_task.done():
-            waiting.add(prefill_task)
+        done: set[asyncio.Future[Any]] = set()
         try:
-            done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            while not done and (left := deadline - time.monotonic()) > 0:
+                waiting: set[asyncio.Future[Any]] = {get}
+                if first and not prefill_task.done():
+                    waiting.add(prefill_task)
+                wait = min(left, renew_every) if first else left
+                done, _ = await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if first and not done and not started.is_set():  # prefill still queued or computing
+                    await self._safe_notify(decode, P.RenewReq(request_id=req.request_id))
         finally:
             if not get.done():
                 get.cancel()
@@ -224,7 +238,7 @@ class DisaggBackend:
             if resp.error is not None:
                 return resp.error
             # handed off: decode verified and acked, its first delta is on the way
-            return await self._next(q, prefill_task, prefill, decode, first, req)
+            return await self._next(q, prefill_task, started, decode, first, req)
         if first:
             return TransferTimeout(f"no verified KV handoff for {req.request_id} within "
                                    f"{self.handoff_timeout_s:g}s").to_info()

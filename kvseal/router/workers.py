@@ -31,6 +31,7 @@ class WorkerClient:
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future[P.Message]] = {}
         self._streams: dict[str, asyncio.Queue[GenerateDelta | ErrorInfo]] = {}
+        self._handoffs: dict[str, asyncio.Event] = {}  # request id -> set when prefill starts its handoff
         self._tasks: list[asyncio.Task[None]] = []
         self.last_seen = time.monotonic()
         self.alive = True
@@ -98,6 +99,12 @@ class WorkerClient:
 
     def unsubscribe(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._handoffs.pop(request_id, None)
+
+    def watch_handoff(self, request_id: str) -> asyncio.Event:
+        """Set when this (prefill) worker reports that the request's KV handoff started."""
+        ev = self._handoffs[request_id] = asyncio.Event()
+        return ev
 
     async def fetch_info(self, timeout: float = 5.0) -> dict[str, Any]:
         resp = await self.call(lambda cid: P.InfoReq(call_id=cid), timeout)
@@ -113,6 +120,11 @@ class WorkerClient:
                 msg = P.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.warning("%s sent a malformed message: %s", self.name, exc)
+                continue
+            if isinstance(msg, P.HandoffStarted):
+                ev = self._handoffs.get(msg.request_id)
+                if ev is not None:
+                    ev.set()
                 continue
             if isinstance(msg, P.DeltaMsg):
                 q = self._streams.get(msg.delta.request_id)

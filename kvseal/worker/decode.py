@@ -37,7 +37,8 @@ class DecodeWorker(WorkerServer):
         self._next_expiry = 0.0
 
     def info(self) -> dict[str, object]:
-        return {**super().info(), "kv_endpoint": self.kv_endpoint, "reservations": len(self.dengine.reserved)}
+        return {**super().info(), "kv_endpoint": self.kv_endpoint, "reservations": len(self.dengine.reserved),
+                "reservation_timeout_s": self.reservation_timeout_s}
 
     def handle(self, ident: bytes, msg: P.Message) -> None:
         match msg:
@@ -52,6 +53,8 @@ class DecodeWorker(WorkerServer):
                 self.send(ident, P.ReserveResp(call_id=cid, reservation=res))
             case P.ReleaseReq(request_id=rid, error=err, rejected=rejected):
                 self.dengine.release(rid, KvsealError.from_info(err), rejected)
+            case P.RenewReq(request_id=rid):
+                self.dengine.renew(rid, time.monotonic() + self.reservation_timeout_s)
             case _:
                 super().handle(ident, msg)
 

@@ -86,7 +86,12 @@ class PrefillWorker(WorkerServer):
 
     def pump(self) -> None:
         now = time.monotonic()
-        self._stalled += [(now + self.faults.stall_transfer_s, h) for h in self.pengine.take_ready()]
+        ready = self.pengine.take_ready()
+        for h in ready:
+            job = self.jobs.get(h.seq.request_id)
+            if job is not None:
+                self.send(job.ident, P.HandoffStarted(request_id=h.seq.request_id))
+        self._stalled += [(now + self.faults.stall_transfer_s, h) for h in ready]
         due = [h for t, h in self._stalled if t <= now]
         self._stalled = [(t, h) for t, h in self._stalled if t > now]
         for h in due:

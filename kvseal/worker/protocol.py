@@ -70,6 +70,20 @@ class ReleaseReq(_Msg, tag="release", frozen=True, kw_only=True):
     rejected: bool
 
 
+class HandoffStarted(_Msg, tag="handoff_started", frozen=True, kw_only=True):
+    """prefill -> router: this request's prefill is done and its KV is being handed to decode. From here on the
+    transfer must complete within decode's reservation timeout: the router stops renewing the reservation."""
+
+    request_id: str
+
+
+class RenewReq(_Msg, tag="renew", frozen=True, kw_only=True):
+    """router -> decode: this reservation's prefill is still queued or running (both ends alive); push its
+    deadline out. Renewals stop when the router is gone, and the reservation then expires and frees its pages."""
+
+    request_id: str
+
+
 class AbortReq(_Msg, tag="abort", frozen=True, kw_only=True):
     """router -> any worker: the client is gone or the request failed elsewhere; free its pages now."""
 
@@ -90,8 +104,8 @@ class DeltaMsg(_Msg, tag="delta", frozen=True, kw_only=True):
     delta: GenerateDelta
 
 
-Message = (InfoReq | InfoResp | ReserveReq | ReserveResp | PrefillReq | PrefillResp | ReleaseReq | AbortReq
-           | SetFaultsReq | DeltaMsg)
+Message = (InfoReq | InfoResp | ReserveReq | ReserveResp | PrefillReq | PrefillResp | ReleaseReq | RenewReq
+           | HandoffStarted | AbortReq | SetFaultsReq | DeltaMsg)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
