@@ -10,6 +10,9 @@ import sys
 from types import TracebackType
 from typing import Self
 
+# each worker started here gets this process's pid in its environment and stops when this process is gone
+LAUNCHER_PID_ENV = "KVSEAL_LAUNCHER_PID"
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -30,7 +33,8 @@ class Fleet:
                 port = _free_port()
                 eps.append(f"tcp://127.0.0.1:{port}")
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "kvseal", role, *engine_argv, "--port", str(port)]))
+                    [sys.executable, "-m", "kvseal", role, *engine_argv, "--port", str(port)],
+                    env={**os.environ, LAUNCHER_PID_ENV: str(os.getpid())}))
 
     def __enter__(self) -> Self:
         return self

@@ -20,6 +20,7 @@ from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import InternalError, InvalidRequest, KvsealError
 from kvseal.faults import Faults, warn_if_on
+from kvseal.launch import LAUNCHER_PID_ENV
 from kvseal.worker import protocol as P
 
 log = logging.getLogger("kvseal.worker")
@@ -39,7 +40,10 @@ class WorkerServer:
         self.poller = zmq.Poller()
         self.poller.register(self.ctrl, zmq.POLLIN)
         self._stop = False
-        self._parent = os.getppid()
+        # set by `kvseal serve` (launch.Fleet) for the workers it starts: never outlive that process, even one
+        # that died while this worker was still loading its model. A worker started on its own has no parent.
+        launcher = os.environ.get(LAUNCHER_PID_ENV)
+        self._parent = int(launcher) if launcher else None
         self.counters: dict[str, int] = {"kv_bytes_sent": 0, "kv_bytes_received": 0, "transfers_acked": 0,
                                          "transfers_refused": 0, "requests_received": 0}
 
@@ -63,7 +67,7 @@ class WorkerServer:
         signal.signal(signal.SIGINT, self.stop)
         log.info("%s worker ready on %s", self.role, self.endpoint)
         while not self._stop:
-            if os.getppid() != self._parent and self._parent != 1:
+            if self._parent is not None and os.getppid() != self._parent:
                 log.warning("parent process exited; stopping")  # never outlive `kvseal serve`
                 break
             busy = self.engine.has_work() or self.busy()

@@ -41,3 +41,21 @@ def test_two_by_two_spreads_load_and_stops_cleanly() -> None:
                    "every worker process stopped")
     finally:
         s.stop()
+
+
+def test_workers_exit_when_serve_is_killed_while_they_load() -> None:
+    # SIGKILL gives `kvseal serve` no chance to stop its workers; they must notice on their own, even when it
+    # died before they finished loading the model (a worker must not sit orphaned holding its KV pool).
+    s = Server(["--max-model-len", "512", "--kv-pool-tokens", "1024"])
+    try:
+        wait_until(lambda: len(psutil.Process(s.p.pid).children()) == 2, 60, "workers started")
+        workers = psutil.Process(s.p.pid).children()
+        s.p.kill()  # only serve itself, not its process group
+        s.p.wait(30)
+
+        def gone() -> bool:
+            return not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+
+        wait_until(gone, 180, "orphaned workers exited")
+    finally:
+        s.stop(signal.SIGKILL)
