@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -47,6 +48,7 @@ def test_workers_exit_when_serve_is_killed_while_they_load() -> None:
     # SIGKILL gives `kvseal serve` no chance to stop its workers; they must notice on their own, even when it
     # died before they finished loading the model (a worker must not sit orphaned holding its KV pool).
     s = Server(["--max-model-len", "512", "--kv-pool-tokens", "1024"])
+    workers: list[psutil.Process] = []
     try:
         wait_until(lambda: len(psutil.Process(s.p.pid).children()) == 2, 60, "workers started")
         workers = psutil.Process(s.p.pid).children()
@@ -59,3 +61,6 @@ def test_workers_exit_when_serve_is_killed_while_they_load() -> None:
         wait_until(gone, 180, "orphaned workers exited")
     finally:
         s.stop(signal.SIGKILL)
+        for w in workers:  # when the test fails they are still there: do not leave them behind
+            with contextlib.suppress(psutil.NoSuchProcess):
+                w.kill()
