@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvseal.bench.common import fmt_num, free_port, markdown_table
+from kvseal.bench.common import ManagedServer, fmt_num, free_port, markdown_table
 
 SYSTEMS: dict[str, str] = {
     "kvseal": "kvseal unified",
@@ -140,50 +139,6 @@ def build_table(results: dict[str, dict[str, Any] | None]) -> str:
 
 
 # -- running ---------------------------------------------------------------------------------------------
-
-
-class ManagedServer:
-    """A server subprocess in its own process group (a disaggregated kvseal fleet stops as one)."""
-
-    def __init__(self, argv: list[str], url: str, ready_path: str, log_path: str) -> None:
-        self.argv, self.url, self.ready_path, self.log_path = argv, url, ready_path, log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop())
-        self.p = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def output(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
-
-    def wait_ready(self, timeout: float) -> float:
-        """Seconds until `ready_path` answered 200; raises when the process exits or time runs out."""
-        import httpx
-
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.p.poll() is not None:
-                raise RuntimeError(f"{self.argv[2]} exited with {self.p.returncode}:\n{self.output()[-3000:]}")
-            try:
-                if httpx.get(self.url + self.ready_path, timeout=2.0).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.url}{self.ready_path} not ready after {timeout:.0f}s:\n{self.output()[-3000:]}")
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM to the group, SIGKILL after `timeout`; the exit code (negative: the signal)."""
-        if self.p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait(10)
-        self._log.close()
-        return self.p.returncode
 
 
 @contextlib.contextmanager

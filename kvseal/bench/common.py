@@ -1,10 +1,11 @@
 """Helpers shared by the benchmarks: statistics, per-request latency metrics, tables, prompts, machine facts,
-and a kvseal server subprocess on a free loopback port. Everything here except ServerProc and
+and server subprocesses on loopback ports. Everything here except ManagedServer, ServerProc and
 stream_completion is pure (no timing, no I/O) so it can be unit-tested on fixed inputs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -192,49 +193,72 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ServerProc:
-    """`python -m kvseal serve ... --port P` in its own process group (so the disaggregated fleet stops too)."""
+class ManagedServer:
+    """A server subprocess in its own process group (a disaggregated kvseal fleet stops as one)."""
+
+    def __init__(self, argv: list[str], url: str, ready_path: str, log_path: str) -> None:
+        self.argv, self.url, self.ready_path, self.log_path = argv, url, ready_path, log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop())
+        self.p = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def output(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds until `ready_path` answered 200; raises when the process exits or time runs out."""
+        import httpx
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{self.argv[2:4]} exited with {self.p.returncode}:\n{self.output()[-3000:]}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=2.0).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.url}{self.ready_path} not ready after {timeout:.0f}s:\n{self.output()[-3000:]}")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM to the group, SIGKILL after `timeout`; the exit code (negative: the signal)."""
+        if self.p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(10)
+        self._log.close()
+        return self.p.returncode
+
+
+class ServerProc(ManagedServer):
+    """`python -m kvseal serve ... --port P` on a free port, its log in a temp file removed by stop()."""
 
     def __init__(self, args: list[str]) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.model = ""  # the served model id, known once ready()
-        self.log = tempfile.NamedTemporaryFile(prefix="kvseal-bench-", suffix=".log", delete=False)  # noqa: SIM115
-        self.p = subprocess.Popen([sys.executable, "-m", "kvseal", "serve", *args, "--port", str(self.port),
-                                   "--log-level", "warning"], stdout=self.log, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-
-    def output(self) -> str:
-        with open(self.log.name, "rb") as f:
-            return f.read().decode(errors="replace")
+        with tempfile.NamedTemporaryFile(prefix="kvseal-bench-", suffix=".log", delete=False) as log:
+            pass
+        super().__init__([sys.executable, "-m", "kvseal", "serve", *args, "--port", str(self.port),
+                          "--log-level", "warning"], f"http://127.0.0.1:{self.port}", "/health", log.name)
 
     def ready(self, timeout: float = 600.0) -> ServerProc:
         import httpx
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.p.poll() is not None:
-                raise RuntimeError(f"server exited with {self.p.returncode}:\n{self.output()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    self.model = httpx.get(self.url + "/v1/models", timeout=10.0).json()["data"][0]["id"]
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.url} not ready after {timeout}s:\n{self.output()[-4000:]}")
+        self.wait_ready(timeout)
+        self.model = httpx.get(self.url + "/v1/models", timeout=10.0).json()["data"][0]["id"]
+        return self
 
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            try:
-                os.killpg(self.p.pid, signal.SIGTERM)
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait(10)
-            except ProcessLookupError:
-                pass
-        os.unlink(self.log.name)
+    def stop(self, timeout: float = 30.0) -> int | None:
+        code = super().stop(timeout)
+        os.unlink(self.log_path)
+        return code
 
 
 async def stream_completion(client: Any, url: str, model: str, prompt: list[int],

@@ -11,8 +11,8 @@ import openai
 import pytest
 import torch
 
-from kvseal.bench.baselines import READY_PATH, ManagedServer, Settings, server_command
-from kvseal.bench.common import free_port
+from kvseal.bench.baselines import READY_PATH, Settings, server_command
+from kvseal.bench.common import ManagedServer, free_port
 from kvseal.model.loader import default_model_path
 from tests.helpers.bundled import transformers_gguf_model, transformers_gguf_tokenizer
 
@@ -40,11 +40,8 @@ def hf_server() -> Iterator[ManagedServer]:
 @pytest.fixture(scope="module")
 def reference(hf_server: ManagedServer) -> Reference:
     """(prompt ids, greedy ids, their text) from transformers alone: its GGUF tokenizer and model."""
-    try:
-        tok = transformers_gguf_tokenizer()
-        model = transformers_gguf_model().eval()
-    except Exception as e:  # noqa: BLE001  (the one reason to skip: transformers cannot read this GGUF)
-        pytest.skip(f"transformers cannot load the bundled GGUF here: {type(e).__name__}: {e}")
+    tok = transformers_gguf_tokenizer()
+    model = transformers_gguf_model().eval()
     ids = tok(PROMPT, add_special_tokens=False).input_ids
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=N, min_new_tokens=N,
