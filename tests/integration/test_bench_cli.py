@@ -125,7 +125,8 @@ def test_fixed_sweep_all_complete(fake: tuple[Fake, str], tmp_path: Path) -> Non
         assert len(b["prompt"]) == 32 and all(1000 <= t < 20000 for t in b["prompt"])
         assert (b["max_tokens"], b["min_tokens"], b["ignore_eos"], b["temperature"]) == (8, 8, True, 0.0)
         assert b["stream"] is True and b["stream_options"] == {"include_usage": True} and b["model"] == MODEL
-    assert server.bodies[1]["prompt"] == server.bodies[7]["prompt"]  # both passes send the same prompts
+    # both passes send the same prompts (arrival order at concurrency 3 is up to the scheduler, so compare as sets)
+    assert sorted(b["prompt"] for b in server.bodies[1:7]) == sorted(b["prompt"] for b in server.bodies[7:])
     assert server.in_flight_at_arrival[1:7] == [1] * 6  # concurrency 1: strictly one after another
     assert max(server.in_flight_at_arrival[7:]) <= 3
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
