@@ -32,6 +32,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and KV dtype (bfloat16 is several times faster on AMX CPUs)")
     p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu or cuda[:N]")
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "native"],
+                   help="native: kvseal's C kernels (GGUF Q4_0/Q4_1/Q8_0 weights used as stored, paged decode "
+                        "attention; CPU, float32, AVX2); torch: torch ops on dequantized weights (matches "
+                        "transformers bit for bit in float32); auto: native where it can run, else torch")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="cap the served context window (tokens); the window is min(model, this, pool)")
     p.add_argument("--served-model-name", default=None, help="the model id in the API (default: checkpoint name)")
@@ -60,7 +64,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         torch.set_num_threads(max(1, a.threads))
     return EngineConfig(
         model=ModelConfig(path=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
-                          served_name=a.served_model_name),
+                          served_name=a.served_model_name, kernels=a.kernels),
         cache=CacheConfig(page_size=a.page_size, pool_tokens=a.kv_pool_tokens, pool_bytes=a.kv_pool_bytes,
                           scrub=a.kv_scrub),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
@@ -85,7 +89,7 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
 def engine_argv(a: argparse.Namespace) -> list[str]:
     """The engine flags of `a` as a command line, to start workers with the same settings."""
     argv = [a.model] if a.model else []
-    argv += ["--dtype", a.dtype, "--device", a.device, "--page-size", str(a.page_size),
+    argv += ["--dtype", a.dtype, "--device", a.device, "--kernels", a.kernels, "--page-size", str(a.page_size),
              "--kv-scrub", "on" if a.kv_scrub else "off", "--max-num-seqs", str(a.max_num_seqs),
              "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-waiting", str(a.max_waiting),
              "--wait-timeout", str(a.wait_timeout), "--seed", str(a.seed), "--log-level", a.log_level]

@@ -22,11 +22,13 @@ class ModelConfig:
     device: str = "auto"  # "auto" -> cuda when present, else cpu
     max_model_len: int | None = None  # cap on the served context window
     served_name: str | None = None  # the id in /v1/models; default: the checkpoint's name
+    kernels: str = "auto"  # "torch" | "native" (kvseal/kernels) | "auto": native where it can run
 
     def __post_init__(self) -> None:
         _need(self.dtype in _DTYPES, "dtype", self.dtype, f"use one of {', '.join(_DTYPES)}")
         _need(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", self.device,
               "use auto, cpu or cuda[:N]")
+        _need(self.kernels in ("auto", "torch", "native"), "kernels", self.kernels, "use auto, torch or native")
         _need(self.max_model_len is None or self.max_model_len > 0, "max_model_len", self.max_model_len,
               "give a positive number of tokens")
 

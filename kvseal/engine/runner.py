@@ -71,7 +71,7 @@ class ModelRunner:
 
         meta = AttentionMeta(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            decode_rows=None, decode_pages=None, decode_mask=None, prefills=prefills,
+            decode_rows=None, decode_pages=None, decode_mask=None, decode_kv_lens=None, prefills=prefills,
         )
         if decode:
             max_pages = max(-(-kv // ps) for _, _, kv in decode)
@@ -83,6 +83,7 @@ class ModelRunner:
             meta.decode_rows = torch.tensor([r for r, _, _ in decode], dtype=torch.long, device=self.device)
             meta.decode_pages = torch.tensor(padded, dtype=torch.long, device=self.device)
             meta.decode_mask = mask[:, None, None, :].to(self.device)
+            meta.decode_kv_lens = kv_lens.to(self.device)
         if not logits_rows:
             logits_rows_t = torch.empty(0, dtype=torch.long, device=self.device)
         else:

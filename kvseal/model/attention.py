@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvseal.kernels.ops import paged_decode_attention
+
 
 @dataclass
 class PrefillSpan:
@@ -29,6 +31,7 @@ class AttentionMeta:
     decode_rows: torch.Tensor | None  # (Bd,) int64 rows of single-query sequences
     decode_pages: torch.Tensor | None  # (Bd, max_pages) int64, padded with the row's own last page
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_pages * page_size) bool: key position < kv_len
+    decode_kv_lens: torch.Tensor | None  # (Bd,) int64 keys each decode row sees (its context incl. this token)
     prefills: list[PrefillSpan]
 
 
@@ -46,13 +49,19 @@ def paged_attention(
     k_cache: torch.Tensor,  # (P, S, KVH, D) this layer's pool
     v_cache: torch.Tensor,
     meta: AttentionMeta,
+    scale: float,
+    native: bool = False,  # decode rows through kvseal's C kernel, which reads the pool via the page table
 ) -> torch.Tensor:  # (T, H, D)
     num_pages, page_size, kvh, d = k_cache.shape
     k_cache.view(num_pages * page_size, kvh, d).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(num_pages * page_size, kvh, d).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
 
-    if meta.decode_rows is not None:
+    if meta.decode_rows is not None and native:
+        assert meta.decode_pages is not None and meta.decode_kv_lens is not None
+        out[meta.decode_rows] = paged_decode_attention(q[meta.decode_rows], k_cache, v_cache, meta.decode_pages,
+                                                       meta.decode_kv_lens, scale)
+    elif meta.decode_rows is not None:
         assert meta.decode_pages is not None and meta.decode_mask is not None
         bd, max_pages = meta.decode_pages.shape
         ctx = max_pages * page_size

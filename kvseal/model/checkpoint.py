@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from kvseal.kernels.ops import PackedWeight
     from kvseal.model.tokenizer import Tokenizer
 
 
@@ -58,6 +59,8 @@ class Checkpoint:
       model.norm.weight
       lm_head.weight                                 absent when arch.tie_embeddings
     All tensors are float32 on the CPU; the model casts them to its dtype/device.
+    packed holds, for GGUF tensors stored as Q4_0/Q4_1/Q8_0 blocks, those blocks as the file has them (rows in
+    the same order as `weights`): the native kernels use them instead of the float32 copy (--kernels).
     """
 
     arch: ModelArch
@@ -66,6 +69,7 @@ class Checkpoint:
     name: str  # a display name (e.g. "SmolLM2-135M-Instruct")
     source: str  # the path it was loaded from
     fingerprint: str = field(default="")
+    packed: dict[str, PackedWeight] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.fingerprint:

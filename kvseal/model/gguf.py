@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvseal.kernels.ops import BLOCK_BYTES, PackedWeight
 from kvseal.model.checkpoint import Checkpoint, ModelArch
 from kvseal.model.gguf_tokenizer import gguf_field
 from kvseal.model.layout import check_weights
@@ -42,6 +43,8 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Linear weights (and the embedding, which doubles as the tied lm_head) the native kernels can take packed.
+_PACKABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # File-name suffixes naming a quantization ("SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct").
 _QUANT_SUFFIX_RE = re.compile(r"[.\-_](?:[QqIi]+\d[\w]*|[Ff](?:16|32)|[Bb][Ff]16)$")
@@ -146,6 +149,23 @@ def _dequantize(tensor: Any, arch: ModelArch, hf_name: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(w))
 
 
+def _packed(tensor: Any, arch: ModelArch, hf_name: str) -> PackedWeight | None:
+    """The tensor's blocks as stored, for the types the native kernels read; q/k rows un-permuted like the
+    dense copy (rows are independent, so permuting rows of blocks is exact)."""
+    if int(tensor.tensor_type) not in BLOCK_BYTES or not hf_name.endswith(_PACKABLE):
+        return None
+    data = np.asarray(tensor.data, dtype=np.uint8)
+    shape = tuple(reversed([int(d) for d in tensor.shape]))
+    if len(shape) != 2:
+        return None
+    data = data.reshape(shape[0], -1)
+    if arch.family == "llama" and ".attn_q." in tensor.name:
+        data = reverse_permute(data, arch.num_heads)
+    elif arch.family == "llama" and ".attn_k." in tensor.name:
+        data = reverse_permute(data, arch.num_kv_heads)
+    return PackedWeight(int(tensor.tensor_type), shape[0], shape[1], torch.from_numpy(np.array(data, copy=True)))  # owned, writable
+
+
 def checkpoint_name(path: Path, reader: gguf.GGUFReader) -> str:
     """A display name: the file stem without its quantization suffix, else general.name."""
     stem = _QUANT_SUFFIX_RE.sub("", path.stem)
@@ -166,10 +186,14 @@ def checkpoint_from_gguf_reader(reader: gguf.GGUFReader, path: str, progress: bo
     arch = arch_from_gguf(reader)
     jobs = [(t, hf_tensor_name(t.name, arch.num_layers)) for t in reader.tensors]
     weights: dict[str, torch.Tensor] = {}
+    packed: dict[str, PackedWeight] = {}
     # Sequential on purpose: gguf's numpy kernels hold the GIL long enough that threads only add contention.
     for t, name in tqdm(jobs, desc=f"dequantizing {file.name}", unit="tensor", file=sys.stderr,
                         disable=not progress):
         weights[name] = _dequantize(t, arch, name)
+        pw = _packed(t, arch, name)
+        if pw is not None:
+            packed[name] = pw
     check_weights(weights, arch, str(file))
     return Checkpoint(
         arch=arch,
@@ -177,4 +201,5 @@ def checkpoint_from_gguf_reader(reader: gguf.GGUFReader, path: str, progress: bo
         tokenizer=Tokenizer.from_gguf_fields(reader),
         name=checkpoint_name(file, reader),
         source=str(file),
+        packed=packed,
     )

@@ -9,9 +9,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvseal.kernels import ops
+from kvseal.kernels.ops import PackedWeight, concat_rows, packed_linear
 from kvseal.model.attention import AttentionMeta, paged_attention
 from kvseal.model.checkpoint import Checkpoint, ModelArch
 from kvseal.model.rope import apply_rope, cos_sin_table
+
+Weight = torch.Tensor | PackedWeight  # a dense (N, K) tensor, or GGUF blocks for the native kernels
+
+
+class _Weights:
+    """Hands out each weight dense, or packed when the native kernels run and the file stored it packed."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, native: bool) -> None:
+        self.ckpt, self.dtype, self.device, self.native = ckpt, dtype, device, native
+
+    def dense(self, name: str) -> torch.Tensor:
+        return self.ckpt.weights[name].to(device=self.device, dtype=self.dtype)
+
+    def get(self, *names: str) -> Weight:
+        """One weight, or several fused along their rows (output features)."""
+        if self.native and all(n in self.ckpt.packed for n in names):
+            parts = [self.ckpt.packed[n] for n in names]
+            if len({(p.qtype, p.k) for p in parts}) == 1:
+                return parts[0] if len(parts) == 1 else concat_rows(parts)
+        return self.dense(names[0]) if len(names) == 1 else torch.cat([self.dense(n) for n in names])
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, PackedWeight):
+        return packed_linear(x, w, bias)
+    return F.linear(x, w, bias)
 
 
 class _Layer:
@@ -20,16 +48,16 @@ class _Layer:
 
     __slots__ = ("bqkv", "ln1", "ln2", "w_down", "w_gate_up", "wo", "wqkv")
 
-    def __init__(self, w: dict[str, torch.Tensor], i: int, arch: ModelArch) -> None:
+    def __init__(self, w: _Weights, i: int, arch: ModelArch) -> None:
         p = f"model.layers.{i}."
-        self.ln1 = w[p + "input_layernorm.weight"]
+        self.ln1 = w.dense(p + "input_layernorm.weight")
         qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
-        self.wqkv = torch.cat([w[n + ".weight"] for n in qkv])
-        self.bqkv = torch.cat([w[n + ".bias"] for n in qkv]) if arch.attention_bias else None
-        self.wo = w[p + "self_attn.o_proj.weight"]
-        self.ln2 = w[p + "post_attention_layernorm.weight"]
-        self.w_gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-        self.w_down = w[p + "mlp.down_proj.weight"]
+        self.wqkv = w.get(*(n + ".weight" for n in qkv))
+        self.bqkv = torch.cat([w.dense(n + ".bias") for n in qkv]) if arch.attention_bias else None
+        self.wo = w.get(p + "self_attn.o_proj.weight")
+        self.ln2 = w.dense(p + "post_attention_layernorm.weight")
+        self.w_gate_up = w.get(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        self.w_down = w.get(p + "mlp.down_proj.weight")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,13 +68,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, native: bool = False) -> None:
+        """native: run kvseal's C kernels (packed GGUF weights where the file has them, paged decode
+        attention); the caller has checked they can run here (kvseal.kernels.build.resolve)."""
         self.arch = arch = ckpt.arch
-        self.dtype, self.device = dtype, device
-        w = {name: t.to(device=device, dtype=dtype) for name, t in ckpt.weights.items()}
-        self.embed = w["model.embed_tokens.weight"]  # (V, E)
-        self.lm_head = self.embed if arch.tie_embeddings else w["lm_head.weight"]
-        self.norm = w["model.norm.weight"]
+        self.dtype, self.device, self.native = dtype, device, native
+        w = _Weights(ckpt, dtype, device, native)
+        self.embed = w.get("model.embed_tokens.weight")  # (V, E)
+        self.lm_head = self.embed if arch.tie_embeddings else w.get("lm_head.weight")
+        self.norm = w.dense("model.norm.weight")
         self.layers = [_Layer(w, i, arch) for i in range(arch.num_layers)]
         cos, sin = cos_sin_table(arch, arch.max_position)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
@@ -65,18 +95,47 @@ class LlamaModel:
         a = self.arch
         t = input_ids.shape[0]
         kvd = a.num_kv_heads * a.head_dim
-        h = F.embedding(input_ids, self.embed)  # (T, E)
+        if isinstance(self.embed, PackedWeight):
+            h = self.embed.rows(input_ids)  # (T, E)
+        else:
+            h = F.embedding(input_ids, self.embed)  # (T, E)
+        if self.native:
+            return self._forward_native(h, positions, k_cache, v_cache, meta, logits_rows)
         cos, sin = self.cos[positions], self.sin[positions]  # (T, D)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.ln1, a.rms_eps)
-            qkv = F.linear(x, layer.wqkv, layer.bqkv)  # (T, (H + 2 * KVH) * D)
+            qkv = linear(x, layer.wqkv, layer.bqkv)  # (T, (H + 2 * KVH) * D)
             q, k, v = qkv.split([a.num_heads * a.head_dim, kvd, kvd], dim=-1)
             q = apply_rope(q.view(t, a.num_heads, a.head_dim), cos, sin)
             k = apply_rope(k.view(t, a.num_kv_heads, a.head_dim), cos, sin)
-            o = paged_attention(q, k, v.view(t, a.num_kv_heads, a.head_dim), k_cache[i], v_cache[i], meta)
-            h = h + F.linear(o.reshape(t, a.num_heads * a.head_dim), layer.wo)
+            o = paged_attention(q, k, v.view(t, a.num_kv_heads, a.head_dim), k_cache[i], v_cache[i], meta,
+                                self.scale)
+            h = h + linear(o.reshape(t, a.num_heads * a.head_dim), layer.wo)
             x = rms_norm(h, layer.ln2, a.rms_eps)
-            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)  # (T, I) each
-            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = linear(x, layer.w_gate_up).chunk(2, dim=-1)  # (T, I) each
+            h = h + linear(F.silu(gate) * up, layer.w_down)
         h = rms_norm(h[logits_rows], self.norm, a.rms_eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
+
+    def _forward_native(
+        self, h: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMeta, logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """forward() with kvseal's C kernels: RMSNorm, RoPE (in place on the fused qkv rows) and SwiGLU fused,
+        packed weights, paged decode attention. Same math as the torch path; sums in another order."""
+        a = self.arch
+        t = h.shape[0]
+        hd, kvd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        for i, layer in enumerate(self.layers):
+            x = ops.rms_norm(h, layer.ln1, a.rms_eps)
+            qkv = linear(x, layer.wqkv, layer.bqkv)  # (T, (H + 2 * KVH) * D), contiguous
+            ops.rope_(qkv, a.num_heads + a.num_kv_heads, a.head_dim, self.cos, self.sin, positions)
+            q, k, v = qkv.split([hd, kvd, kvd], dim=-1)
+            o = paged_attention(q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim),
+                                v.view(t, a.num_kv_heads, a.head_dim), k_cache[i], v_cache[i], meta, self.scale,
+                                native=True)
+            h = h + linear(o.reshape(t, hd), layer.wo)
+            x = ops.rms_norm(h, layer.ln2, a.rms_eps)
+            h = h + linear(ops.silu_mul(linear(x, layer.w_gate_up)), layer.w_down)
+        h = ops.rms_norm(h[logits_rows], self.norm, a.rms_eps)
+        return linear(h, self.lm_head)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvseal.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.model.loader import load_checkpoint
@@ -31,16 +31,18 @@ def _hf_greedy(folder: str, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
+@pytest.mark.parametrize("kernels", ["torch", "native"])
 @pytest.mark.parametrize(("family", "tie"), [("llama", True), ("llama", False), ("qwen2", False)])
-def test_engine_equals_transformers_on_tiny_hf_models(tmp_path: Path, family: str, tie: bool) -> None:
+def test_engine_equals_transformers_on_tiny_hf_models(tmp_path: Path, family: str, tie: bool, kernels: str) -> None:
     folder = make_tiny_llama(tmp_path, family, tie)
     ck = load_checkpoint(folder, progress=False)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, ck.arch.vocab_size, (n,), generator=g).tolist() for n in (5, 37, 90)]
     expected = _hf_greedy(folder, prompts)
     assert len({t for seq in expected for t in seq}) > 1  # a real continuation, not one repeated token
-    engine = Engine(EngineConfig(cache=CacheConfig(page_size=8, pool_tokens=1024),
+    engine = Engine(EngineConfig(model=ModelConfig(kernels=kernels), cache=CacheConfig(page_size=8, pool_tokens=1024),
                                  scheduler=SchedulerConfig(max_num_batched_tokens=32)), ck)
+    assert engine.kernels == kernels
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(GenerateRequest(str(i), ids, params))
