@@ -51,8 +51,15 @@ def test_router_refuses_to_start_when_a_pool_is_smaller_than_the_window(small_pr
     assert "--kv-pool-tokens 8192" in out and f"--max-model-len {pool}" in out, out
 
 
-def test_router_refuses_workers_that_disagree_on_page_size(small_prefill: Worker) -> None:
-    other = Worker("decode", ["--kv-pool-tokens", "16384", "--page-size", "32"]).ready()
+@pytest.mark.parametrize(("flags", "theirs", "ours"), [
+    (["--page-size", "32"], "page_size=32", "page_size=16"),
+    # KV from torch's kernels is valid for native ones only up to rounding: disaggregated output would
+    # drift from unified output in the last bits, so the fleet must agree
+    (["--kernels", "torch"], "kernels='torch'", "kernels='native'"),
+])
+def test_router_refuses_workers_that_disagree_on_layout_or_kernels(small_prefill: Worker, flags: list[str],
+                                                                    theirs: str, ours: str) -> None:
+    other = Worker("decode", ["--kv-pool-tokens", "16384", *flags]).ready()
     router = Server(["--prefill", small_prefill.endpoint, "--decode", other.endpoint, "--max-model-len", "4096"],
                     command="router")
     try:
@@ -61,7 +68,7 @@ def test_router_refuses_workers_that_disagree_on_page_size(small_prefill: Worker
         router.stop()
         other.stop()
     out = router.output()
-    assert rc != 0 and "page_size=32" in out and "page_size=16" in out, out
+    assert rc != 0 and theirs in out and ours in out, out
 
 
 def test_window_lowered_to_fit_rejects_before_any_worker(small_prefill: Worker, decode: Worker) -> None:
