@@ -7,6 +7,7 @@ Systems (docs/baselines.md), each started on a free loopback port, waited for, m
 before the next one starts, so they never share the CPU:
   kvseal          `kvseal serve --unified` (one process)
   kvseal-disagg   `kvseal serve --prefill 1 --decode 1` (router + prefill + decode processes)
+  kvseal-torch    `kvseal serve --unified --kernels torch` (torch ops on dequantized float32 weights)
   llama.cpp       llama-cpp-python's OpenAI server on the GGUF itself (Q4_1 weights), via
                   kvseal.bench.llamacpp_server (token-id prompts accepted); it serves one request at a time
   hf              kvseal.bench.hf_server: transformers with static batching
@@ -35,11 +36,12 @@ from kvseal.bench.common import ManagedServer, fmt_num, free_port, markdown_tabl
 SYSTEMS: dict[str, str] = {
     "kvseal": "kvseal unified",
     "kvseal-disagg": "kvseal disagg 1P+1D",
+    "kvseal-torch": "kvseal unified --kernels torch",
     "llama.cpp": "llama-cpp-python",
     "hf": "transformers",
 }
 # Where each server says it is ready (llama-cpp-python has no /health).
-READY_PATH = {"kvseal": "/health", "kvseal-disagg": "/health", "llama.cpp": "/v1/models", "hf": "/health"}
+READY_PATH = {"kvseal": "/health", "kvseal-disagg": "/health", "kvseal-torch": "/health", "llama.cpp": "/v1/models", "hf": "/health"}
 METRICS = [("output tok/s", "output_tok_s", 1), ("median TTFT (ms)", "ttft_median_ms", 1),
            ("median TPOT (ms)", "tpot_median_ms", 1)]
 
@@ -62,8 +64,9 @@ def server_command(system: str, port: int, s: Settings, python: str = sys.execut
     """The argv that starts `system` on 127.0.0.1:port."""
     model = [s.model_path] if s.explicit_model else []
     threads = ["--threads", str(s.threads)] if s.threads else []
-    if system in ("kvseal", "kvseal-disagg"):
-        mode = ["--unified"] if system == "kvseal" else ["--prefill", "1", "--decode", "1"]
+    if system in ("kvseal", "kvseal-disagg", "kvseal-torch"):
+        mode = {"kvseal": ["--unified"], "kvseal-disagg": ["--prefill", "1", "--decode", "1"],
+                "kvseal-torch": ["--unified", "--kernels", "torch"]}[system]
         return [python, "-m", "kvseal", "serve", *model, *mode, "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", s.dtype, "--served-model-name", s.served_name, "--wait-timeout", f"{s.wait_timeout:g}",
                 "--log-level", "warning", *threads]

@@ -93,6 +93,9 @@ def load() -> ctypes.CDLL:
     lib.kvs_rmsnorm.argtypes, lib.kvs_rmsnorm.restype = [ptr, ptr, i64, i64, f32, ptr], i32
     lib.kvs_rope.argtypes, lib.kvs_rope.restype = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64], i32
     lib.kvs_silu_mul.argtypes, lib.kvs_silu_mul.restype = [ptr, i64, i64, ptr], i32
+    lib.kvs_decode_forward.argtypes = [ptr, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, i64, ptr, ptr, i64,
+                                       i64, i64, ptr, ptr, ptr, ptr, i64, ptr]
+    lib.kvs_decode_forward.restype = i32
     return lib
 
 

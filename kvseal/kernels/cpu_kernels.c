@@ -128,7 +128,7 @@ int kvs_gemm(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, i
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < ntiles; t++) {
             if (!buf) continue;
             int64_t n0 = t * TILE_N, nr = N - n0 < TILE_N ? N - n0 : TILE_N;
@@ -408,4 +408,63 @@ int kvs_silu_mul(const float *gu, int64_t T, int64_t I, float *out) {
         }
     }
     return 0;
+}
+
+/* ---- one whole decode step of a Llama layer stack in one call (no Python between the ops) ------------- */
+
+typedef struct {
+    int32_t t_qkv, t_o, t_gu, t_down;            /* GGML types of the four packed matrices */
+    const uint8_t *w_qkv, *w_o, *w_gu, *w_down;  /* (H+2KVH)*D x E, E x H*D, 2I x E, E x I */
+    const float *b_qkv;                          /* ((H + 2 KVH) * D,) or NULL */
+    const float *ln1, *ln2;                      /* (E,) */
+} kvs_layer;
+
+/* h (T, E), the residual stream of T single-token decode rows, is run through all L layers in place:
+ * RMSNorm, q|k|v, RoPE, the new k/v written at slots[t] of layer l's pool (P pages of S tokens), paged decode
+ * attention through each row's page table, o, residual, RMSNorm, gate|up, SwiGLU, down, residual. The same
+ * calls, in the same order, as the Python native path: the result is bit for bit the same.
+ * Every slot, page id, length and position is checked before the first write (-3 / -2 otherwise). */
+int kvs_decode_forward(const kvs_layer *layers, int64_t L, int64_t E, int64_t I, int64_t H, int64_t KVH,
+                       int64_t D, float eps, float scale, const float *cos, const float *sin, int64_t max_pos,
+                       float *kpool, float *vpool, int64_t P, int64_t S, int64_t T, float *h, const int64_t *pos,
+                       const int64_t *slots, const int64_t *pages, int64_t max_pages, const int64_t *kv_lens) {
+    if (T <= 0 || L <= 0) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0 || slots[t] >= P * S || pos[t] < 0 || pos[t] >= max_pos) return -3;
+        if (kv_lens[t] < 1 || kv_lens[t] > max_pages * S) return -2;
+        for (int64_t i = 0; i < (kv_lens[t] + S - 1) / S; i++)
+            if (pages[t * max_pages + i] < 0 || pages[t * max_pages + i] >= P) return -3;
+    }
+    const int64_t HD = H * D, KD = KVH * D, NQKV = HD + 2 * KD, layer_floats = P * S * KD;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)T * (size_t)(E + NQKV + HD + HD + E + 2 * I + I));
+    if (!buf) return -4;
+    float *x = buf, *qkv = x + T * E, *q = qkv + T * NQKV, *o = q + T * HD, *tmp = o + T * HD,
+          *gu = tmp + T * E, *act = gu + T * 2 * I;
+    int rc = 0;
+    for (int64_t l = 0; l < L && rc == 0; l++) {
+        const kvs_layer *ly = layers + l;
+        float *kl = kpool + l * layer_floats, *vl = vpool + l * layer_floats;
+        if ((rc = kvs_rmsnorm(h, ly->ln1, T, E, eps, x))) break;
+        if ((rc = kvs_gemm(ly->t_qkv, ly->w_qkv, NQKV, E, x, T, qkv))) break;
+        if (ly->b_qkv)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t i = 0; i < NQKV; i++) qkv[t * NQKV + i] += ly->b_qkv[i];
+        if ((rc = kvs_rope(qkv, T, NQKV, H + KVH, D, cos, sin, pos, max_pos))) break;
+        for (int64_t t = 0; t < T; t++) {
+            const float *row = qkv + t * NQKV;
+            memcpy(q + t * HD, row, sizeof(float) * HD);
+            memcpy(kl + slots[t] * KD, row + HD, sizeof(float) * KD);
+            memcpy(vl + slots[t] * KD, row + HD + KD, sizeof(float) * KD);
+        }
+        if ((rc = kvs_paged_decode(q, kl, vl, P, pages, max_pages, kv_lens, T, H, KVH, D, S, scale, o))) break;
+        if ((rc = kvs_gemm(ly->t_o, ly->w_o, E, HD, o, T, tmp))) break;
+        for (int64_t i = 0; i < T * E; i++) h[i] += tmp[i];
+        if ((rc = kvs_rmsnorm(h, ly->ln2, T, E, eps, x))) break;
+        if ((rc = kvs_gemm(ly->t_gu, ly->w_gu, 2 * I, E, x, T, gu))) break;
+        if ((rc = kvs_silu_mul(gu, T, I, act))) break;
+        if ((rc = kvs_gemm(ly->t_down, ly->w_down, E, I, act, T, tmp))) break;
+        for (int64_t i = 0; i < T * E; i++) h[i] += tmp[i];
+    }
+    free(buf);
+    return rc;
 }

@@ -133,3 +133,43 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, i2 // 2, dtype=torch.float32)
     _check(lib().kvs_silu_mul(gate_up.contiguous().data_ptr(), t, i2 // 2, out.data_ptr()), "silu_mul")
     return out
+
+
+class LayerDesc(ctypes.Structure):
+    """C's kvs_layer: one layer's weights for kvs_decode_forward (pointers into tensors the model keeps)."""
+
+    _fields_ = [("t_qkv", ctypes.c_int32), ("t_o", ctypes.c_int32), ("t_gu", ctypes.c_int32),
+                ("t_down", ctypes.c_int32), ("w_qkv", ctypes.c_void_p), ("w_o", ctypes.c_void_p),
+                ("w_gu", ctypes.c_void_p), ("w_down", ctypes.c_void_p), ("b_qkv", ctypes.c_void_p),
+                ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p)]
+
+
+def layer_table(layers: list[tuple[PackedWeight, PackedWeight, PackedWeight, PackedWeight, torch.Tensor | None,
+                                   torch.Tensor, torch.Tensor]]) -> ctypes.Array[LayerDesc]:
+    """(wqkv, wo, w_gate_up, w_down, bqkv, ln1, ln2) per layer -> the C array. The caller keeps the tensors."""
+    table = (LayerDesc * len(layers))()
+    for d, (qkv, o, gu, down, b, ln1, ln2) in zip(table, layers, strict=True):
+        d.t_qkv, d.t_o, d.t_gu, d.t_down = qkv.qtype, o.qtype, gu.qtype, down.qtype
+        d.w_qkv, d.w_o, d.w_gu, d.w_down = (w.data.data_ptr() for w in (qkv, o, gu, down))
+        d.b_qkv = None if b is None else b.data_ptr()
+        d.ln1, d.ln2 = ln1.data_ptr(), ln2.data_ptr()
+    return table
+
+
+def decode_forward(table: ctypes.Array[LayerDesc], dims: tuple[int, int, int, int, int, int], eps: float,
+                   scale: float, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
+                   kv_lens: torch.Tensor) -> None:
+    """Run a decode-only step through every layer in C, in place on h (T, E).
+
+    dims = (E, I, H, KVH, D, page_size); pools (L, P, S, KVH, D) contiguous float32; positions, slots (T,)
+    int64; pages (T, max_pages), kv_lens (T,) int64. The C side checks every slot, page and length first."""
+    e, i, hq, kvh, d, s = dims
+    if not (h.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("decode_forward needs contiguous h and pools")
+    pages, kv_lens = pages.contiguous(), kv_lens.contiguous()
+    rc = lib().kvs_decode_forward(table, len(table), e, i, hq, kvh, d, eps, scale, cos.data_ptr(), sin.data_ptr(),
+                                  cos.shape[0], k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[1], s,
+                                  h.shape[0], h.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                                  pages.data_ptr(), pages.shape[1], kv_lens.data_ptr())
+    _check(rc, "decode_forward")

@@ -81,6 +81,13 @@ class LlamaModel:
         cos, sin = cos_sin_table(arch, arch.max_position)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.scale = arch.head_dim**-0.5
+        # Decode-only steps run every layer in one C call when all four matrices of every layer are packed.
+        self._c_layers = None
+        packed = [(ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, ly.bqkv, ly.ln1, ly.ln2) for ly in self.layers
+                  if isinstance(ly.wqkv, PackedWeight) and isinstance(ly.wo, PackedWeight)
+                  and isinstance(ly.w_gate_up, PackedWeight) and isinstance(ly.w_down, PackedWeight)]
+        if native and len(packed) == len(self.layers):
+            self._c_layers = ops.layer_table(packed)
 
     @torch.inference_mode()
     def forward(
@@ -125,6 +132,14 @@ class LlamaModel:
         packed weights, paged decode attention. Same math as the torch path; sums in another order."""
         a = self.arch
         t = h.shape[0]
+        if (self._c_layers is not None and not meta.prefills and meta.decode_rows is not None
+                and meta.decode_rows.shape[0] == t and t < ops.DENSE_FROM_ROWS):
+            # every row is one decode token, rows in order (the runner's layout for a decode-only batch)
+            assert meta.decode_pages is not None and meta.decode_kv_lens is not None
+            ops.decode_forward(self._c_layers, (a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
+                               a.head_dim, k_cache.shape[2]), a.rms_eps, self.scale, self.cos, self.sin, k_cache,
+                               v_cache, h, positions, meta.slot_mapping, meta.decode_pages, meta.decode_kv_lens)
+            return linear(ops.rms_norm(h[logits_rows], self.norm, a.rms_eps), self.lm_head)
         hd, kvd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         for i, layer in enumerate(self.layers):
             x = ops.rms_norm(h, layer.ln1, a.rms_eps)
