@@ -193,7 +193,42 @@ def _has_matplotlib() -> bool:
     return True
 
 
+def side_by_side_plot(results: dict[str, dict[str, Any] | None], path: str) -> None:
+    """One PNG: output tok/s, median TTFT and median TPOT against concurrency, a line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for system, r in results.items():
+        if not r:
+            continue
+        passes = [(int((p.get("level") or {}).get("max_concurrency") or 0), p.get("metrics") or {})
+                  for p in r.get("passes") or []]
+        passes = sorted((c, m) for c, m in passes if c > 0)
+        for ax, (title, key, _) in zip(axes, METRICS, strict=True):
+            ax.plot([c for c, _ in passes], [m.get(key) for _, m in passes], marker="o",
+                    label=SYSTEMS.get(system, system))
+            ax.set_title(title)
+            ax.set_xlabel("concurrent streams")
+            ax.set_xscale("log", base=2)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--replot"]:  # redraw the side-by-side plot of a finished run: --replot DIR/baselines.json
+        done = json.loads(Path(argv[1]).read_text())
+        out = str(Path(argv[1]).with_name("side_by_side.png"))
+        side_by_side_plot({s: e.get("result") for s, e in done["systems"].items()}, out)
+        print(out)
+        return 0
     a, extra = parse_args(argv)
     from kvseal.model.loader import DEFAULT_MODEL_NAME, default_model_path
 
@@ -246,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     doc["finished"] = time.strftime("%F %T")
     doc["table"] = build_table(results)
     save()
+    if plot:
+        side_by_side_plot(results, str(out_dir / "side_by_side.png"))
     print(doc["table"])
     print(f"\nJSON: {out_dir / 'baselines.json'}")
     return 1 if failures else 0

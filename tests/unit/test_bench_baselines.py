@@ -3,6 +3,7 @@ parsing and its batched decode loop (on a tiny random model, against transformer
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -210,3 +211,17 @@ def test_batcher_gathers_waiting_requests(tiny_hf: Any) -> None:
         batcher.stop()
     assert batcher.batches == 2  # 3 (max_batch) + 1 (the cancelled one never runs)
     assert [len(e) for e in events] == [4, 4, 4, 4, 0]
+
+
+def test_side_by_side_plot_from_a_finished_run(tmp_path) -> None:
+    def result(tok_s: float) -> dict:
+        return {"passes": [{"level": {"max_concurrency": c},
+                            "metrics": {"output_tok_s": tok_s * c, "ttft_median_ms": 100.0 * c, "tpot_median_ms": 20.0}}
+                           for c in (1, 8, 32)]}
+
+    doc = {"systems": {"kvseal": {"result": result(30.0)}, "llama.cpp": {"result": result(10.0)}, "hf": {}}}
+    path = tmp_path / "baselines.json"
+    path.write_text(json.dumps(doc))
+    assert bl.main(["--replot", str(path)]) == 0
+    png = (tmp_path / "side_by_side.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
