@@ -1,6 +1,7 @@
 """Compile kvseal's C kernels (cpu_kernels.c) once per source version and load them with ctypes.
 
-The shared library lands in $KVSEAL_CACHE_DIR (default ~/.cache/kvseal) under a name that carries the hash of
+The shared library lands in $KVSEAL_CACHE_DIR (default ~/.cache/kvseal, or a per-user temp folder where that
+is not writable) under a name that carries the hash of
 the source and flags, so an edited source is rebuilt and two processes starting together never load a
 half-written file (each compiles to a temporary name and renames it into place).
 `python -m kvseal.kernels.build` builds it ahead of time (the setup script does).
@@ -50,10 +51,30 @@ def compiler() -> str | None:
     return None
 
 
+def _cache_root() -> Path:
+    """$KVSEAL_CACHE_DIR, else ~/.cache/kvseal, else a per-user folder in the temp dir: the first writable one."""
+    env = os.environ.get("KVSEAL_CACHE_DIR")
+    candidates = [Path(env)] if env else []
+    if not env:
+        try:
+            candidates.append(Path.home() / ".cache" / "kvseal")
+        except RuntimeError:  # no HOME and no passwd entry
+            pass
+        candidates.append(Path(tempfile.gettempdir()) / f"kvseal-{os.getuid()}")
+    for root in candidates:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(root, os.W_OK):
+            return root
+    raise RuntimeError(f"no writable folder for the compiled kernels (tried {', '.join(map(str, candidates))}); "
+                       "set KVSEAL_CACHE_DIR")
+
+
 def library_path() -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("KVSEAL_CACHE_DIR", Path.home() / ".cache" / "kvseal"))
-    return root / f"libkvseal_cpu_{digest}.so"
+    return _cache_root() / f"libkvseal_cpu_{digest}.so"
 
 
 def build(verbose: bool = False) -> Path:
@@ -64,7 +85,6 @@ def build(verbose: bool = False) -> Path:
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang); install gcc or use --kernels torch")
-    lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=lib.parent)
     os.close(fd)
     cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE)]

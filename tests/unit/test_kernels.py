@@ -183,3 +183,15 @@ def test_fused_small_ops_equal_their_torch_definitions() -> None:
     gu = torch.randn(6, 2 * 24, generator=g) * 4
     want = torch.nn.functional.silu(gu[:, :24]) * gu[:, 24:]
     torch.testing.assert_close(silu_mul(gu), want, rtol=1e-6, atol=1e-6)
+
+
+def test_cache_folder_falls_back_when_home_is_not_writable(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".cache").write_text("a file where the folder should be")  # mkdir under it fails
+    monkeypatch.delenv("KVSEAL_CACHE_DIR", raising=False)
+    monkeypatch.setattr(build.Path, "home", staticmethod(lambda: home))
+    monkeypatch.setattr(build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert build.library_path().parent == tmp_path / "tmp" / f"kvseal-{build.os.getuid()}"
+    monkeypatch.setenv("KVSEAL_CACHE_DIR", str(tmp_path / "mine"))
+    assert build.library_path().parent == tmp_path / "mine"
