@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from kvseal.model.checkpoint import ModelArch
@@ -98,6 +99,7 @@ def build(verbose: bool = False) -> Path:
     return lib
 
 
+@cache
 def load() -> ctypes.CDLL:
     """Load the library (building it when needed), with argument types declared for every entry point."""
     import torch  # noqa: F401  # torch's libgomp must be loaded first so the kernels share its thread pool

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
@@ -24,9 +23,7 @@ TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 DENSE_FROM_ROWS = 96
 
 
-@cache
-def lib() -> ctypes.CDLL:
-    return load()
+lib = load  # the library, built and loaded once per process (build.load is cached)
 
 
 @dataclass(frozen=True)
@@ -78,7 +75,9 @@ def _check(rc: int, what: str) -> None:
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) float32 -> (M, N) = x @ W^T (+ bias)."""
-    if x.shape[0] == 0 or x.shape[0] >= DENSE_FROM_ROWS:
+    if x.shape[0] == 0:  # e.g. the lm_head of a prefill chunk that ends no prompt
+        return torch.empty(0, w.n, dtype=torch.float32)
+    if x.shape[0] >= DENSE_FROM_ROWS:
         return torch.nn.functional.linear(x, w.dequantize(), bias)
     x = x.contiguous()
     if x.dtype != torch.float32 or x.shape[-1] != w.k:

@@ -141,12 +141,17 @@ def _dequantize(tensor: Any, arch: ModelArch, hf_name: str) -> torch.Tensor:
     if tensor.tensor_type == gguf.GGMLQuantizationType.F32:
         w = np.array(w, copy=True)  # F32 comes back as a view of the read-only memory map
     shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF lists dims innermost first
-    w = np.asarray(w, dtype=np.float32).reshape(shape)
-    if arch.family == "llama" and ".attn_q." in tensor.name:
-        w = reverse_permute(w, arch.num_heads)
-    elif arch.family == "llama" and ".attn_k." in tensor.name:
-        w = reverse_permute(w, arch.num_kv_heads)
+    w = _unpermute(np.asarray(w, dtype=np.float32).reshape(shape), tensor.name, arch)
     return torch.from_numpy(np.ascontiguousarray(w))
+
+
+def _unpermute(rows: np.ndarray, gguf_name: str, arch: ModelArch) -> np.ndarray:
+    """q/k rows back in rotate-half order (llama GGUFs only); works on float rows and on rows of blocks."""
+    if arch.family == "llama" and ".attn_q." in gguf_name:
+        return reverse_permute(rows, arch.num_heads)
+    if arch.family == "llama" and ".attn_k." in gguf_name:
+        return reverse_permute(rows, arch.num_kv_heads)
+    return rows
 
 
 def _packed(tensor: Any, arch: ModelArch, hf_name: str) -> PackedWeight | None:
@@ -158,12 +163,8 @@ def _packed(tensor: Any, arch: ModelArch, hf_name: str) -> PackedWeight | None:
     shape = tuple(reversed([int(d) for d in tensor.shape]))
     if len(shape) != 2:
         return None
-    data = data.reshape(shape[0], -1)
-    if arch.family == "llama" and ".attn_q." in tensor.name:
-        data = reverse_permute(data, arch.num_heads)
-    elif arch.family == "llama" and ".attn_k." in tensor.name:
-        data = reverse_permute(data, arch.num_kv_heads)
-    return PackedWeight(int(tensor.tensor_type), shape[0], shape[1], torch.from_numpy(np.array(data, copy=True)))  # owned, writable
+    data = np.array(_unpermute(data.reshape(shape[0], -1), tensor.name, arch), copy=True)  # owned, writable
+    return PackedWeight(int(tensor.tensor_type), shape[0], shape[1], torch.from_numpy(data))
 
 
 def checkpoint_name(path: Path, reader: gguf.GGUFReader) -> str:

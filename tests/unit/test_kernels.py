@@ -62,6 +62,13 @@ def test_packed_linear_equals_dense_product(qtype: int, m: int, n: int, k: int) 
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
+def test_no_rows_cost_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill chunk that ends no prompt asks the lm_head for 0 rows: no dequantized copy is made for it."""
+    w = random_blocks(Q8_0, 40, 64, seed=9)
+    monkeypatch.setattr(PackedWeight, "dequantize", lambda self: pytest.fail("dequantized for 0 rows"))
+    assert packed_linear(torch.empty(0, 64), w).shape == (0, 40)
+
+
 def test_a_row_gets_the_same_bits_in_any_batch() -> None:
     """Each output is one thread's fixed-order sum: a request's logits do not depend on who shares its batch
     (up to the dense hand-over at DENSE_FROM_ROWS rows), so unified and disaggregated runs agree exactly."""
