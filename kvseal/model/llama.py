@@ -6,6 +6,8 @@ Numerics follow Hugging Face's LlamaForCausalLM so fp32 greedy output matches it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -101,56 +103,61 @@ class LlamaModel:
     ) -> torch.Tensor:  # (B, V) float32 logits
         a = self.arch
         t = input_ids.shape[0]
-        kvd = a.num_kv_heads * a.head_dim
         if isinstance(self.embed, PackedWeight):
             h = self.embed.rows(input_ids)  # (T, E)
         else:
             h = F.embedding(input_ids, self.embed)  # (T, E)
-        if self.native:
-            return self._forward_native(h, positions, k_cache, v_cache, meta, logits_rows)
-        cos, sin = self.cos[positions], self.sin[positions]  # (T, D)
-        for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.ln1, a.rms_eps)
-            qkv = linear(x, layer.wqkv, layer.bqkv)  # (T, (H + 2 * KVH) * D)
-            q, k, v = qkv.split([a.num_heads * a.head_dim, kvd, kvd], dim=-1)
-            q = apply_rope(q.view(t, a.num_heads, a.head_dim), cos, sin)
-            k = apply_rope(k.view(t, a.num_kv_heads, a.head_dim), cos, sin)
-            o = paged_attention(q, k, v.view(t, a.num_kv_heads, a.head_dim), k_cache[i], v_cache[i], meta,
-                                self.scale)
-            h = h + linear(o.reshape(t, a.num_heads * a.head_dim), layer.wo)
-            x = rms_norm(h, layer.ln2, a.rms_eps)
-            gate, up = linear(x, layer.w_gate_up).chunk(2, dim=-1)  # (T, I) each
-            h = h + linear(F.silu(gate) * up, layer.w_down)
-        h = rms_norm(h[logits_rows], self.norm, a.rms_eps)
-        return linear(h, self.lm_head).float()
-
-    def _forward_native(
-        self, h: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMeta, logits_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """forward() with kvseal's C kernels: RMSNorm, RoPE (in place on the fused qkv rows) and SwiGLU fused,
-        packed weights, paged decode attention. Same math as the torch path; sums in another order."""
-        a = self.arch
-        t = h.shape[0]
         if (self._c_layers is not None and not meta.prefills and meta.decode_rows is not None
                 and meta.decode_rows.shape[0] == t and t < ops.DENSE_FROM_ROWS):
-            # every row is one decode token, rows in order (the runner's layout for a decode-only batch)
+            # every row is one decode token, rows in order (the runner's layout for a decode-only batch): all
+            # layers in one C call, the same ops in the same order as the loop below
             assert meta.decode_pages is not None and meta.decode_kv_lens is not None
             ops.decode_forward(self._c_layers, (a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
                                a.head_dim, k_cache.shape[2]), a.rms_eps, self.scale, self.cos, self.sin, k_cache,
                                v_cache, h, positions, meta.slot_mapping, meta.decode_pages, meta.decode_kv_lens)
-            return linear(ops.rms_norm(h[logits_rows], self.norm, a.rms_eps), self.lm_head)
-        hd, kvd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        for i, layer in enumerate(self.layers):
-            x = ops.rms_norm(h, layer.ln1, a.rms_eps)
-            qkv = linear(x, layer.wqkv, layer.bqkv)  # (T, (H + 2 * KVH) * D), contiguous
-            ops.rope_(qkv, a.num_heads + a.num_kv_heads, a.head_dim, self.cos, self.sin, positions)
-            q, k, v = qkv.split([hd, kvd, kvd], dim=-1)
-            o = paged_attention(q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim),
-                                v.view(t, a.num_kv_heads, a.head_dim), k_cache[i], v_cache[i], meta, self.scale,
-                                native=True)
-            h = h + linear(o.reshape(t, hd), layer.wo)
-            x = ops.rms_norm(h, layer.ln2, a.rms_eps)
-            h = h + linear(ops.silu_mul(linear(x, layer.w_gate_up)), layer.w_down)
-        h = ops.rms_norm(h[logits_rows], self.norm, a.rms_eps)
-        return linear(h, self.lm_head)
+        else:
+            rotate = self._rotary(positions)
+            hd = a.num_heads * a.head_dim
+            for i, layer in enumerate(self.layers):
+                x = self._norm(h, layer.ln1)
+                q, k, v = rotate(linear(x, layer.wqkv, layer.bqkv))  # (T, H, D), (T, KVH, D), (T, KVH, D)
+                o = paged_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale, self.native)
+                h = h + linear(o.reshape(t, hd), layer.wo)
+                x = self._norm(h, layer.ln2)
+                h = h + linear(self._swiglu(linear(x, layer.w_gate_up)), layer.w_down)
+        return linear(self._norm(h[logits_rows], self.norm), self.lm_head).float()
+
+    # The three places where the kernel sets differ; native is the same math with sums in another order.
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, weight, self.arch.rms_eps) if self.native else rms_norm(x, weight, self.arch.rms_eps)
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
+        if self.native:
+            return ops.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _rotary(self, positions: torch.Tensor) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+        """qkv (T, (H + 2 KVH) * D) -> q, k rotated by RoPE at `positions`, and v, as (T, heads, D) views."""
+        a = self.arch
+        sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+
+        def heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            t = q.shape[0]
+            return (q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim),
+                    v.view(t, a.num_kv_heads, a.head_dim))
+
+        if self.native:  # in place on the fused rows, q and k heads in one call
+
+            def rotate_native(qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                ops.rope_(qkv, a.num_heads + a.num_kv_heads, a.head_dim, self.cos, self.sin, positions)
+                return heads(*qkv.split(sizes, dim=-1))
+
+            return rotate_native
+        cos, sin = self.cos[positions], self.sin[positions]  # (T, D)
+
+        def rotate_torch(qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            q, k, v = heads(*qkv.split(sizes, dim=-1))
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+        return rotate_torch
