@@ -202,3 +202,36 @@ def test_cache_folder_falls_back_when_home_is_not_writable(tmp_path, monkeypatch
     assert build.library_path().parent == tmp_path / "tmp" / f"kvseal-{build.os.getuid()}"
     monkeypatch.setenv("KVSEAL_CACHE_DIR", str(tmp_path / "mine"))
     assert build.library_path().parent == tmp_path / "mine"
+
+
+def test_one_call_decode_step_refuses_slots_and_pages_outside_the_pool_before_writing() -> None:
+    """kvs_decode_forward writes each new token's K/V into the pool: a slot or page id outside the pool (or a
+    length past the row's table) is refused before any write, so nothing lands in another request's pages."""
+    from kvseal.kernels.ops import decode_forward, layer_table
+
+    e, i, h, kvh, d, s, p = 64, 64, 4, 2, 16, 4, 6
+    qkv = random_blocks(Q8_0, (h + 2 * kvh) * d, e, seed=1)
+    o, gu, down = random_blocks(Q4_1, e, h * d, 2), random_blocks(Q4_0, 2 * i, e, 3), random_blocks(Q8_0, e, i, 4)
+    ones = torch.ones(e)
+    table = layer_table([(qkv, o, gu, down, None, ones, ones)])
+    cos, sin = torch.randn(32, d), torch.randn(32, d)
+    k_pool, v_pool = torch.zeros(1, p, s, kvh, d), torch.zeros(1, p, s, kvh, d)
+    x = torch.randn(2, e)
+
+    def step(slots: list[int], pages: list[list[int]], lens: list[int]) -> torch.Tensor:
+        hidden = x.clone()
+        decode_forward(table, (e, i, h, kvh, d, s), 1e-5, d**-0.5, cos, sin, k_pool, v_pool, hidden,
+                       torch.tensor([4, 0]), torch.tensor(slots), torch.tensor(pages), torch.tensor(lens))
+        return hidden
+
+    out = step([1 * s + 0, 3 * s + 0], [[0, 1], [3, 3]], [5, 1])  # row 0: 5th token (page 1), row 1: 1st token
+    assert torch.isfinite(out).all() and not torch.equal(out, x)
+    assert k_pool[0, 1, 0].abs().sum() > 0 and k_pool[0, 3, 0].abs().sum() > 0  # both new keys landed
+    before = (k_pool.clone(), v_pool.clone())
+    # each bad step aims its valid writes at pages 2 and 4, still all zeros, so any early write would show
+    for slots, pages, lens in (([2 * s, p * s], [[0, 2], [4, 4]], [5, 1]),  # slot one past the pool
+                               ([2 * s, 4 * s], [[0, p], [4, 4]], [5, 1]),  # page one past the pool
+                               ([2 * s, 4 * s], [[0, 2], [4, 4]], [9, 1])):  # more keys than the table holds
+        with pytest.raises(RuntimeError, match="decode_forward"):
+            step(slots, pages, lens)
+        assert torch.equal(k_pool, before[0]) and torch.equal(v_pool, before[1])  # not one byte written
