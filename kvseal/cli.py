@@ -30,12 +30,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a .gguf file or a Hugging Face folder (Llama/Qwen2); default: the bundled "
                         "SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and KV dtype (bfloat16 is several times faster on AMX CPUs)")
+                   help="the model's compute dtype for the exact arithmetic with --kernels torch (bfloat16 is "
+                        "several times faster on AMX CPUs); the native kernels compute in float32")
     p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu or cuda[:N]")
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "native"],
                    help="native: kvseal's C kernels (GGUF Q4_0/Q4_1/Q8_0 weights used as stored, paged decode "
                         "attention; CPU, float32, AVX2); torch: torch ops on dequantized weights (matches "
                         "transformers bit for bit in float32); auto: native where it can run, else torch")
+    p.add_argument("--arithmetic", default="auto", choices=["auto", "exact", "fast"],
+                   help="how the native kernels compute, chosen at start-up and named in /info, the start-up log "
+                        "and the fleet check. fast: int8 activations times the GGUF blocks with integer dot "
+                        "products on the best of AVX-512-VNNI, AVX-VNNI or AVX2 this CPU has (the same bits on "
+                        "each; float checkpoints become Q8_0 blocks at load), attention reading KV in place; "
+                        "batch invariant, about 0.5%% from float32 per product (agreement: python -m "
+                        "kvseal.bench.agreement). exact: float32 throughout, transformers' greedy tokens. "
+                        "auto (default): fast where it can run (native kernels, page size a multiple of 16), "
+                        "else exact")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="cap the served context window (tokens); the window is min(model, this, pool)")
     p.add_argument("--served-model-name", default=None, help="the model id in the API (default: checkpoint name)")
@@ -43,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pool-tokens", type=int, default=None,
                    help="KV pool size in tokens (default: twice the context window)")
     p.add_argument("--kv-pool-bytes", type=int, default=None, help="KV pool size in bytes (instead of tokens)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="KV cache dtype; auto: the model's dtype. bfloat16 halves KV memory and handoff bytes "
+                        "(needs --arithmetic fast or --kernels torch)")
     p.add_argument("--kv-scrub", type=_on_off, default=True, metavar="on|off",
                    help="zero KV pages before they return to the free list (default on)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
@@ -64,9 +77,9 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         torch.set_num_threads(max(1, a.threads))
     return EngineConfig(
         model=ModelConfig(path=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
-                          served_name=a.served_model_name, kernels=a.kernels),
+                          served_name=a.served_model_name, kernels=a.kernels, arithmetic=a.arithmetic),
         cache=CacheConfig(page_size=a.page_size, pool_tokens=a.kv_pool_tokens, pool_bytes=a.kv_pool_bytes,
-                          scrub=a.kv_scrub),
+                          scrub=a.kv_scrub, kv_dtype=a.kv_dtype),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_waiting=a.max_waiting, wait_timeout_s=a.wait_timeout),
         seed=a.seed,
@@ -89,7 +102,8 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
 def engine_argv(a: argparse.Namespace) -> list[str]:
     """The engine flags of `a` as a command line, to start workers with the same settings."""
     argv = [a.model] if a.model else []
-    argv += ["--dtype", a.dtype, "--device", a.device, "--kernels", a.kernels, "--page-size", str(a.page_size),
+    argv += ["--dtype", a.dtype, "--device", a.device, "--kernels", a.kernels, "--arithmetic", a.arithmetic,
+             "--kv-dtype", a.kv_dtype, "--page-size", str(a.page_size),
              "--kv-scrub", "on" if a.kv_scrub else "off", "--max-num-seqs", str(a.max_num_seqs),
              "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-waiting", str(a.max_waiting),
              "--wait-timeout", str(a.wait_timeout), "--seed", str(a.seed), "--log-level", a.log_level]

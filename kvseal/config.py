@@ -23,12 +23,14 @@ class ModelConfig:
     max_model_len: int | None = None  # cap on the served context window
     served_name: str | None = None  # the id in /v1/models; default: the checkpoint's name
     kernels: str = "auto"  # "torch" | "native" (kvseal/kernels) | "auto": native where it can run
+    arithmetic: str = "auto"  # "exact" | "fast" | "auto": fast where it can run (kvseal/kernels/arithmetic.py)
 
     def __post_init__(self) -> None:
         _need(self.dtype in _DTYPES, "dtype", self.dtype, f"use one of {', '.join(_DTYPES)}")
         _need(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", self.device,
               "use auto, cpu or cuda[:N]")
         _need(self.kernels in ("auto", "torch", "native"), "kernels", self.kernels, "use auto, torch or native")
+        _need(self.arithmetic in ("auto", "exact", "fast"), "arithmetic", self.arithmetic, "use auto, exact or fast")
         _need(self.max_model_len is None or self.max_model_len > 0, "max_model_len", self.max_model_len,
               "give a positive number of tokens")
 
@@ -39,6 +41,7 @@ class CacheConfig:
     pool_tokens: int | None = None  # KV pool size in tokens (rounded down to whole pages)
     pool_bytes: int | None = None  # or in bytes; at most one of the two; neither -> the context window x 4
     scrub: bool = True  # zero pages before they return to the free list (seal 6)
+    kv_dtype: str = "auto"  # "auto": the model's dtype; "bfloat16" halves KV memory and handoff bytes
 
     def __post_init__(self) -> None:
         _need(0 < self.page_size <= 1024 and self.page_size & (self.page_size - 1) == 0, "page_size",
@@ -49,6 +52,8 @@ class CacheConfig:
               self.pool_tokens, f"give at least one page ({self.page_size} tokens)")
         _need(self.pool_bytes is None or self.pool_bytes > 0, "pool_bytes", self.pool_bytes,
               "give a positive number of bytes")
+        _need(self.kv_dtype == "auto" or self.kv_dtype in _DTYPES, "kv_dtype", self.kv_dtype,
+              f"use auto or one of {', '.join(_DTYPES)}")
 
 
 @dataclass(frozen=True)

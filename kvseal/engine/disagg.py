@@ -69,7 +69,7 @@ class PrefillEngine(Engine):
         lp = h.first_logprob
         manifest = build_manifest(
             reservation, payload, num_tokens=len(h.seq.prompt_ids), first_token=h.first_token,
-            model_fingerprint=self.fingerprint, page_size=self.pool.page_size, kv_dtype=dtype_name(self.dtype),
+            model_fingerprint=self.fingerprint, page_size=self.pool.page_size, kv_dtype=dtype_name(self.kv_dtype),
             kv_layout=self.kv_layout, first_logprob=None if lp is None else lp.logprob,
             first_top=[] if lp is None else lp.top)
         return manifest, payload
@@ -105,7 +105,7 @@ class DecodeEngine(Engine):
         res = Reservation(
             request_id=req.request_id, reservation_id=new_reservation_id(), nonce=new_nonce(),
             num_tokens=len(req.prompt_ids), page_ids=list(seq.pages), model_fingerprint=self.fingerprint,
-            page_size=self.pool.page_size, kv_dtype=dtype_name(self.dtype), kv_layout=self.kv_layout,
+            page_size=self.pool.page_size, kv_dtype=dtype_name(self.kv_dtype), kv_layout=self.kv_layout,
             kv_endpoint=kv_endpoint)
         self.reservations[req.request_id] = res
         return res

@@ -28,6 +28,7 @@ from kvseal.errors import (
     PageOwnershipViolation,
     RequestAborted,
 )
+from kvseal.kernels.arithmetic import resolve_arithmetic
 from kvseal.kernels.build import resolve as resolve_kernels
 from kvseal.kv.allocator import PageAllocator
 from kvseal.kv.pool import KVPool, pool_num_pages
@@ -57,13 +58,22 @@ class Engine:
         self.device = resolve_device(cfg.model.device)
         self.dtype = _DTYPES[cfg.model.dtype]
         self.kernels, why = resolve_kernels(cfg.model.kernels, self.device.type, cfg.model.dtype, arch)
-        log.info("kernels: %s (%s)", self.kernels, why)
-        self.model = LlamaModel(ckpt, self.dtype, self.device, native=self.kernels == "native")
+        self.arithmetic = resolve_arithmetic(cfg.model.arithmetic, self.kernels, why, arch, cfg.cache.page_size)
+        log.info("arithmetic: %s%s (%s)", self.arithmetic.name,
+                 f" on {self.arithmetic.isa}" if self.arithmetic.isa else "", self.arithmetic.why)
+        self.kv_dtype = self.dtype if cfg.cache.kv_dtype == "auto" else _DTYPES[cfg.cache.kv_dtype]
+        if self.kv_dtype != self.dtype and not self.arithmetic.fast and self.kernels == "native":
+            raise ValueError(f"--kv-dtype {cfg.cache.kv_dtype} with --dtype {cfg.model.dtype} needs the fast "
+                             "arithmetic or --kernels torch (the exact native kernels read float32 KV). Fix: "
+                             "--arithmetic fast, or drop --kv-dtype")
+        self.model = LlamaModel(ckpt, self.dtype, self.device, native=self.kernels == "native",
+                                fast=self.arithmetic.fast)
         model_window = min(arch.max_position, cfg.model.max_model_len or arch.max_position)
-        num_pages = pool_num_pages(arch, cfg.cache, self.dtype, default_tokens=2 * model_window)
-        self.pool = KVPool(arch, num_pages, cfg.cache.page_size, self.dtype, self.device)
+        num_pages = pool_num_pages(arch, cfg.cache, self.kv_dtype, default_tokens=2 * model_window)
+        self.pool = KVPool(arch, num_pages, cfg.cache.page_size, self.kv_dtype, self.device,
+                           layout="kt" if self.arithmetic.fast else "std")
         self.allocator = PageAllocator(num_pages, scrubber=self.pool.scrub if cfg.cache.scrub else None)
-        self.kv_layout = f"L{arch.num_layers}xPxSx{arch.num_kv_heads}x{arch.head_dim}"
+        self.kv_layout = self.pool.layout_name
         # The served window: what the model supports, the operator allows, and the pool can hold.
         self.context_window = min(model_window, self.pool.capacity_tokens)
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, cfg.cache.page_size)
@@ -84,9 +94,11 @@ class Engine:
             "pool_pages": self.pool.num_pages,
             "free_pages": self.allocator.num_free,
             "page_size": self.pool.page_size,
-            "kv_dtype": str(self.dtype).removeprefix("torch."),
+            "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
             "kv_layout": self.kv_layout,
             "kernels": self.kernels,
+            "arithmetic": self.arithmetic.name,
+            "arithmetic_isa": self.arithmetic.isa or None,
             "kv_bytes_per_token": self.pool.bytes_per_token,
             "kv_scrub": self.cfg.cache.scrub,
             "device": str(self.device),

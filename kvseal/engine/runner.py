@@ -34,12 +34,16 @@ class ModelRunner:
     def check_ownership(self, batch: Batch) -> list[Sequence]:
         return [s for s in batch.seqs if not self.allocator.owns(s.owner, s.pages)]
 
-    def run(self, batch: Batch) -> StepResult:
+    def run(self, batch: Batch, all_logits: bool = False) -> StepResult:
+        """all_logits: logits for every row fed this step, in row order (teacher-forced scoring, benchmarks),
+        instead of the rows whose next token is due."""
         violations = self.check_ownership(batch)
         bad = {id(s) for s in violations}
         seqs = [(s, n) for s, n in zip(batch.seqs, batch.num_new) if id(s) not in bad]
         if not seqs:
             return StepResult([], None, violations)
+        if self.model.fast:
+            return self._run_fast(seqs, violations, all_logits)
         ps = self.pool.page_size
         ids: list[int] = []
         positions: list[int] = []
@@ -84,6 +88,8 @@ class ModelRunner:
             meta.decode_pages = torch.tensor(padded, dtype=torch.long, device=self.device)
             meta.decode_mask = mask[:, None, None, :].to(self.device)
             meta.decode_kv_lens = kv_lens.to(self.device)
+        if all_logits:
+            logits_rows = list(range(len(ids)))
         if not logits_rows:
             logits_rows_t = torch.empty(0, dtype=torch.long, device=self.device)
         else:
@@ -95,4 +101,38 @@ class ModelRunner:
         )
         for seq, n in seqs:
             seq.num_computed += n
-        return StepResult(sampled, logits if sampled else None, violations)
+        return StepResult(sampled, logits if sampled or all_logits else None, violations)
+
+    def _run_fast(self, seqs: list[tuple[Sequence, int]], violations: list[Sequence], all_logits: bool) -> StepResult:
+        """The fast arithmetic's batch: flat rows plus one span per sequence for the one attention call."""
+        ps = self.pool.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[int] = []  # 5 per sequence: first row, rows, first position, offset in tables, pages
+        tables: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[Sequence] = []
+        for seq, n in seqs:
+            start, end = seq.num_computed, seq.num_computed + n
+            npages = -(-end // ps)
+            spans += (len(ids), n, start, len(tables), npages)
+            tables += seq.pages[:npages]
+            ids += seq.token_slice(start, end)
+            positions += range(start, end)
+            pages = seq.pages
+            slots += (pages[p // ps] * ps + p % ps for p in range(start, end))
+            if end == seq.num_tokens:
+                logits_rows.append(len(ids) - 1)
+                sampled.append(seq)
+        if all_logits:
+            logits_rows = list(range(len(ids)))
+        meta = AttentionMeta(slot_mapping=torch.tensor(slots, dtype=torch.long), decode_rows=None,
+                             decode_pages=None, decode_mask=None, decode_kv_lens=None, prefills=[],
+                             spans=torch.tensor(spans, dtype=torch.long).view(-1, 5),
+                             tables=torch.tensor(tables, dtype=torch.long))
+        logits = self.model.forward(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                                    self.pool.k, self.pool.v, meta, torch.tensor(logits_rows, dtype=torch.long))
+        for seq, n in seqs:
+            seq.num_computed += n
+        return StepResult(sampled, logits if sampled or all_logits else None, violations)

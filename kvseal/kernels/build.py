@@ -1,4 +1,5 @@
-"""Compile kvseal's C kernels (cpu_kernels.c) once per source version and load them with ctypes.
+"""Compile kvseal's C kernels (cpu_kernels.c, qgemm.c, attention.c, forward.c) once per source version, load them
+with ctypes.
 
 The shared library lands in $KVSEAL_CACHE_DIR (default ~/.cache/kvseal, or a per-user temp folder where that
 is not writable) under a name that carries the hash of
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from kvseal.model.checkpoint import ModelArch
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "qgemm.c", "attention.c", "forward.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-D_ISOC11_SOURCE")
 CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -74,7 +75,7 @@ def _cache_root() -> Path:
 
 
 def library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
     return _cache_root() / f"libkvseal_cpu_{digest}.so"
 
 
@@ -88,13 +89,13 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang); install gcc or use --kernels torch")
     fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=lib.parent)
     os.close(fd)
-    cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE)]
+    cmd = [cc, *FLAGS, "-o", tmp, *map(str, SOURCES)]
     if verbose:
         print(" ".join(cmd), file=sys.stderr)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr.strip()}")
+        raise RuntimeError(f"compiling {', '.join(s.name for s in SOURCES)} failed ({' '.join(cmd)}):\n{proc.stderr.strip()}")
     os.replace(tmp, lib)
     return lib
 
@@ -118,6 +119,18 @@ def load() -> ctypes.CDLL:
     lib.kvs_decode_forward.argtypes = [ptr, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, i64, ptr, ptr, i64,
                                        i64, i64, ptr, ptr, ptr, ptr, i64, ptr]
     lib.kvs_decode_forward.restype = i32
+    lib.kvs_qpacked_bytes.argtypes, lib.kvs_qpacked_bytes.restype = [i32, i64, i64], i64
+    lib.kvs_qpack.argtypes, lib.kvs_qpack.restype = [i32, ptr, i64, i64, ptr], i32
+    lib.kvs_qlinear.argtypes, lib.kvs_qlinear.restype = [i32, ptr, i64, i64, ptr, i64, ptr], i32
+    lib.kvs_qisa.argtypes, lib.kvs_qisa.restype = [], i32
+    lib.kvs_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, i64, ptr, i64, f32,
+                                        ptr]
+    lib.kvs_paged_attention.restype = i32
+    lib.kvs_write_kv.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr]
+    lib.kvs_write_kv.restype = i32
+    lib.kvs_forward_fast.argtypes = [ptr, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, i64, ptr, ptr, i32, i64,
+                                     i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64]
+    lib.kvs_forward_fast.restype = i32
     return lib
 
 

@@ -8,6 +8,7 @@ the native path differs from the dense one only in summation order (a relative ~
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,29 @@ def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     if len({(p.qtype, p.k) for p in parts}) != 1:
         raise ValueError("only weights of one type and input size can be fused")
     return PackedWeight(parts[0].qtype, sum(p.n for p in parts), parts[0].k, torch.cat([p.data for p in parts]))
+
+
+@dataclass(frozen=True)
+class QWeight:
+    """A Linear weight (N, K) repacked by kvs_qpack for kvs_qlinear: tiles of 16 output columns (qgemm.c)."""
+
+    qtype: int  # Q4_0 | Q4_1 | Q8_0, the block type it was packed from
+    n: int
+    k: int
+    data: torch.Tensor  # uint8, kvs_qpacked_bytes(qtype, n, k) bytes
+
+    @staticmethod
+    def pack(w: PackedWeight) -> QWeight:
+        size = lib().kvs_qpacked_bytes(w.qtype, w.n, w.k)
+        if size < 0:
+            raise ValueError(f"cannot repack a {TYPE_NAMES.get(w.qtype, w.qtype)} weight ({w.n}, {w.k})")
+        out = torch.empty(size, dtype=torch.uint8)
+        _check(lib().kvs_qpack(w.qtype, w.data.data_ptr(), w.n, w.k, out.data_ptr()), "qpack")
+        return QWeight(w.qtype, w.n, w.k, out)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
 
 
 def _check(rc: int, what: str) -> None:
@@ -143,9 +167,13 @@ class LayerDesc(ctypes.Structure):
                 ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p)]
 
 
-def layer_table(layers: list[tuple[PackedWeight, PackedWeight, PackedWeight, PackedWeight, torch.Tensor | None,
-                                   torch.Tensor, torch.Tensor]]) -> ctypes.Array[LayerDesc]:
-    """(wqkv, wo, w_gate_up, w_down, bqkv, ln1, ln2) per layer -> the C array. The caller keeps the tensors."""
+Blocks = PackedWeight | QWeight
+
+
+def layer_table(layers: Sequence[tuple[Blocks, Blocks, Blocks, Blocks, torch.Tensor | None, torch.Tensor, torch.Tensor]]
+                ) -> ctypes.Array[LayerDesc]:
+    """(wqkv, wo, w_gate_up, w_down, bqkv, ln1, ln2) per layer -> the C array (GGUF blocks for kvs_decode_forward,
+    repacked blocks for kvs_forward_fast). The caller keeps the tensors."""
     table = (LayerDesc * len(layers))()
     for d, (qkv, o, gu, down, b, ln1, ln2) in zip(table, layers, strict=True):
         d.t_qkv, d.t_o, d.t_gu, d.t_down = qkv.qtype, o.qtype, gu.qtype, down.qtype
@@ -172,3 +200,92 @@ def decode_forward(table: ctypes.Array[LayerDesc], dims: tuple[int, int, int, in
                                   h.shape[0], h.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                                   pages.data_ptr(), pages.shape[1], kv_lens.data_ptr())
     _check(rc, "decode_forward")
+
+
+# -- the fast arithmetic: int8 activations x packed weights, paged attention over the "kt" page layout --------
+
+
+def quantize_q8_0(w: torch.Tensor) -> PackedWeight:
+    """A dense (N, K) weight as GGUF Q8_0 blocks (d = max|w| / 127 per 32 inputs, fp16; q = round(w / d)), for
+    checkpoints that carry no blocks of their own (safetensors). K must be a multiple of 32."""
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"Q8_0 needs an input size that is a multiple of 32, got {k}")
+    blocks = w.detach().to(torch.float32).reshape(n, k // 32, 32)
+    d = (blocks.abs().amax(-1) / 127.0).to(torch.float16)  # (n, k/32), rounded as stored
+    inv = torch.where(d > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+    q = torch.round(blocks * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    data = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2), q.view(torch.uint8)], dim=-1)
+    return PackedWeight(Q8_0, n, k, data.reshape(n, -1).contiguous())
+
+
+def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) float32 -> (M, N): each row of x quantized to int8 per 32 inputs, integer dot products, float32
+    scales. Row m of the result depends on row m of x only (batch invariance; qgemm.c)."""
+    if x.shape[0] == 0:
+        return torch.empty(0, w.n, dtype=torch.float32)
+    x = x.contiguous()
+    if x.dtype != torch.float32 or x.shape[-1] != w.k:
+        raise ValueError(f"qlinear takes float32 (M, {w.k}) inputs, got {x.dtype} {tuple(x.shape)}")
+    y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    _check(lib().kvs_qlinear(w.qtype, w.data.data_ptr(), w.n, w.k, x.data_ptr(), x.shape[0], y.data_ptr()), "qlinear")
+    return y if bias is None else y + bias
+
+
+QISA_NAMES = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2"}
+
+
+def qisa() -> str:
+    """The instruction set kvs_qlinear dispatches to on this CPU (every one gives the same bits)."""
+    return QISA_NAMES[lib().kvs_qisa()]
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k, v (T, KVH, D) float32 into slots (T,) int64 of one layer's pools: keys (P, KVH, D, S), values
+    (P, S, KVH, D), float32 or bfloat16. Every slot is checked against the pool first."""
+    p, kvh, d, s = k_pool.shape
+    if v_pool.shape != (p, s, kvh, d) or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError(f"write_kv needs contiguous kt pools, got {tuple(k_pool.shape)} / {tuple(v_pool.shape)}")
+    k, v, slots = k.contiguous(), v.contiguous(), slots.contiguous()
+    bf16 = int(k_pool.dtype == torch.bfloat16)
+    rc = lib().kvs_write_kv(k.data_ptr(), v.data_ptr(), k.shape[0], kvh, d, k_pool.data_ptr(), v_pool.data_ptr(),
+                            bf16, p, s, slots.data_ptr())
+    _check(rc, "write_kv")
+
+
+def paged_attention_kt(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, spans: torch.Tensor,
+                       tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (T, H, D) float32; one layer's pools, keys (P, KVH, D, S), values (P, S, KVH, D); spans (n, 5) int64 rows
+    (first row, rows, first position, offset into tables, pages); tables: the spans' page tables, concatenated.
+    -> (T, H, D). Each row's result is independent of chunking and batch (attention.c)."""
+    t, h, d = q.shape
+    p, kvh, _, s = k_pool.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    bf16 = int(k_pool.dtype == torch.bfloat16)
+    rc = lib().kvs_paged_attention(q.data_ptr(), t, h, kvh, d, k_pool.data_ptr(), v_pool.data_ptr(), bf16, p, s,
+                                   spans.data_ptr(), spans.shape[0], tables.data_ptr(), tables.shape[0], scale,
+                                   out.data_ptr())
+    _check(rc, "paged_attention")
+    return out
+
+
+def forward_fast(table: ctypes.Array[LayerDesc], dims: tuple[int, int, int, int, int], eps: float, scale: float,
+                 cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, h: torch.Tensor,
+                 positions: torch.Tensor, slots: torch.Tensor, spans: torch.Tensor, tables: torch.Tensor) -> None:
+    """Every layer of a fast-arithmetic step in one C call, in place on h (T, E) (forward.c).
+
+    dims = (E, I, H, KVH, D); pools: keys (L, P, KVH, D, S), values (L, P, S, KVH, D), float32 or bfloat16; positions,
+    slots (T,) int64; spans (n, 5), tables as for paged_attention_kt. The C side checks every span, page, slot and
+    position first and writes nothing when one is wrong."""
+    e, i, hq, kvh, d = dims
+    if not (h.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("forward_fast needs contiguous h and pools")
+    _, p, _, _, s = k_pool.shape
+    bf16 = int(k_pool.dtype == torch.bfloat16)
+    rc = lib().kvs_forward_fast(table, len(table), e, i, hq, kvh, d, eps, scale, cos.data_ptr(), sin.data_ptr(),
+                                cos.shape[0], k_pool.data_ptr(), v_pool.data_ptr(), bf16, p, s, h.shape[0],
+                                h.data_ptr(), positions.data_ptr(), slots.data_ptr(), spans.data_ptr(),
+                                spans.shape[0], tables.data_ptr(), tables.shape[0])
+    _check(rc, "forward_fast")

@@ -1,6 +1,10 @@
 """The KV pool: the tensors, nothing else. Ownership lives in the allocator.
 
-k, v: (num_layers, num_pages, page_size, kv_heads, head_dim). Capacity in tokens = num_pages * page_size.
+Layouts (a page is one contiguous block of each tensor per layer, whatever the layout):
+  "std": k, v (num_layers, num_pages, page_size, kv_heads, head_dim)
+  "kt":  k (num_layers, num_pages, kv_heads, head_dim, page_size): keys transposed inside each page, so the fast
+         attention kernel reads 16 keys at one input as 16 contiguous values; v as in "std".
+Capacity in tokens = num_pages * page_size.
 """
 
 from __future__ import annotations
@@ -34,13 +38,27 @@ def pool_num_pages(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, defa
     return pages
 
 
+LAYOUTS = ("std", "kt")
+
+
+def layout_name(arch: ModelArch, layout: str) -> str:
+    """The layout string workers compare (fleet check, manifest): e.g. "L30xPxSx3x64" or "kt:L30xPx3x64xS"."""
+    if layout == "kt":
+        return f"kt:L{arch.num_layers}xPx{arch.num_kv_heads}x{arch.head_dim}xS"
+    return f"L{arch.num_layers}xPxSx{arch.num_kv_heads}x{arch.head_dim}"
+
+
 class KVPool:
     def __init__(self, arch: ModelArch, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, layout: str = "std") -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown KV layout {layout!r}: use one of {', '.join(LAYOUTS)}")
         shape = (arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        kshape = (arch.num_layers, num_pages, arch.num_kv_heads, arch.head_dim, page_size) if layout == "kt" else shape
+        self.k = torch.zeros(kshape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
+        self.num_pages, self.page_size, self.dtype, self.layout = num_pages, page_size, dtype, layout
+        self.layout_name = layout_name(arch, layout)
         self.bytes_per_token = kv_bytes_per_token(arch, dtype)
 
     @property
@@ -58,11 +76,17 @@ class KVPool:
         self.v[:, idx] = 0
 
     def read_pages(self, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of K and V for `pages`: (L, n, S, KVH, D) each."""
+        """Copies of K and V for `pages`: (L, n, S, KVH, D) each, whatever the layout."""
         idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.k.device)
-        return self.k[:, idx].clone(), self.v[:, idx].clone()
+        k = self.k[:, idx]
+        if self.layout == "kt":  # (L, n, KVH, D, S) -> (L, n, S, KVH, D)
+            k = k.permute(0, 1, 4, 2, 3)
+        return k.contiguous(), self.v[:, idx].clone()
 
     def write_pages(self, pages: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V given as (L, n, S, KVH, D) each into `pages`, whatever the layout."""
         idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.k.device)
+        if self.layout == "kt":
+            k = k.permute(0, 1, 3, 4, 2)
         self.k[:, idx] = k.to(self.k.device, self.k.dtype)
         self.v[:, idx] = v.to(self.v.device, self.v.dtype)

@@ -33,6 +33,9 @@ class AttentionMeta:
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_pages * page_size) bool: key position < kv_len
     decode_kv_lens: torch.Tensor | None  # (Bd,) int64 keys each decode row sees (its context incl. this token)
     prefills: list[PrefillSpan]
+    # the fast arithmetic's attention (kvseal/kernels/attention.c) takes every row of the step at once:
+    spans: torch.Tensor | None = None  # (n, 5) int64: first row, rows, first position, offset in tables, pages
+    tables: torch.Tensor | None = None  # (sum of pages,) int64: each span's page table, concatenated
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -53,8 +56,9 @@ def paged_attention(
     native: bool = False,  # decode rows through kvseal's C kernel, which reads the pool via the page table
 ) -> torch.Tensor:  # (T, H, D)
     num_pages, page_size, kvh, d = k_cache.shape
-    k_cache.view(num_pages * page_size, kvh, d).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(num_pages * page_size, kvh, d).index_copy_(0, meta.slot_mapping, v)
+    # a KV dtype other than the compute dtype (--kv-dtype) is rounded on write and widened on read
+    k_cache.view(num_pages * page_size, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_pages * page_size, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     out = torch.empty_like(q)
 
     if meta.decode_rows is not None and native:
@@ -67,6 +71,7 @@ def paged_attention(
         ctx = max_pages * page_size
         kd = gather_pages(k_cache, meta.decode_pages).view(bd, ctx, kvh, d).transpose(1, 2)  # (Bd, KVH, ctx, D)
         vd = gather_pages(v_cache, meta.decode_pages).view(bd, ctx, kvh, d).transpose(1, 2)
+        kd, vd = kd.to(q.dtype), vd.to(q.dtype)
         qd = q[meta.decode_rows].unsqueeze(2)  # (Bd, H, 1, D)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
         out[meta.decode_rows] = od.squeeze(2)
@@ -76,6 +81,7 @@ def paged_attention(
         # (KVH, kv_len, D) each
         ks = gather_pages(k_cache, span.pages).view(n * page_size, kvh, d)[: span.kv_len].transpose(0, 1)
         vs = gather_pages(v_cache, span.pages).view(n * page_size, kvh, d)[: span.kv_len].transpose(0, 1)
+        ks, vs = ks.to(q.dtype), vs.to(q.dtype)
         qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # (H, q_len, D)
         if span.mask is None:
             os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)

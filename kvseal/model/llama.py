@@ -12,19 +12,21 @@ import torch
 import torch.nn.functional as F
 
 from kvseal.kernels import ops
-from kvseal.kernels.ops import PackedWeight, concat_rows, packed_linear
+from kvseal.kernels.ops import PackedWeight, QWeight, concat_rows, packed_linear, qlinear, quantize_q8_0
 from kvseal.model.attention import AttentionMeta, paged_attention
 from kvseal.model.checkpoint import Checkpoint, ModelArch
 from kvseal.model.rope import apply_rope, cos_sin_table
 
-Weight = torch.Tensor | PackedWeight  # a dense (N, K) tensor, or GGUF blocks for the native kernels
+# a dense (N, K) tensor, GGUF blocks for the exact native kernels, or blocks repacked for the fast arithmetic
+Weight = torch.Tensor | PackedWeight | QWeight
 
 
 class _Weights:
     """Hands out each weight dense, or packed when the native kernels run and the file stored it packed."""
 
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, native: bool) -> None:
-        self.ckpt, self.dtype, self.device, self.native = ckpt, dtype, device, native
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, native: bool,
+                 fast: bool = False) -> None:
+        self.ckpt, self.dtype, self.device, self.native, self.fast = ckpt, dtype, device, native, fast
 
     def dense(self, name: str) -> torch.Tensor:
         return self.ckpt.weights[name].to(device=self.device, dtype=self.dtype)
@@ -34,11 +36,16 @@ class _Weights:
         if self.native and all(n in self.ckpt.packed for n in names):
             parts = [self.ckpt.packed[n] for n in names]
             if len({(p.qtype, p.k) for p in parts}) == 1:
-                return parts[0] if len(parts) == 1 else concat_rows(parts)
-        return self.dense(names[0]) if len(names) == 1 else torch.cat([self.dense(n) for n in names])
+                packed = parts[0] if len(parts) == 1 else concat_rows(parts)
+                return QWeight.pack(packed) if self.fast else packed
+        dense = self.dense(names[0]) if len(names) == 1 else torch.cat([self.dense(n) for n in names])
+        # the fast arithmetic multiplies blocks only: a float weight becomes Q8_0 blocks once, here
+        return QWeight.pack(quantize_q8_0(dense)) if self.fast else dense
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, QWeight):
+        return qlinear(x, w, bias)
     if isinstance(w, PackedWeight):
         return packed_linear(x, w, bias)
     return F.linear(x, w, bias)
@@ -70,14 +77,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, native: bool = False) -> None:
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, native: bool = False,
+                 fast: bool = False) -> None:
         """native: run kvseal's C kernels (packed GGUF weights where the file has them, paged decode
-        attention); the caller has checked they can run here (kvseal.kernels.build.resolve)."""
+        attention); the caller has checked they can run here (kvseal.kernels.build.resolve).
+        fast: the fast arithmetic (kvseal/kernels/arithmetic.py; needs native): int8 matrix products on
+        repacked blocks, attention over a "kt" pool (kvseal/kv/pool.py)."""
         self.arch = arch = ckpt.arch
-        self.dtype, self.device, self.native = dtype, device, native
+        self.dtype, self.device, self.native, self.fast = dtype, device, native, fast
         w = _Weights(ckpt, dtype, device, native)
-        self.embed = w.get("model.embed_tokens.weight")  # (V, E)
-        self.lm_head = self.embed if arch.tie_embeddings else w.get("lm_head.weight")
+        self.embed = w.get("model.embed_tokens.weight")  # (V, E) dense or GGUF blocks: only rows are looked up
+        if fast:
+            w = _Weights(ckpt, dtype, device, native, fast=True)
+        self.lm_head = w.get("lm_head.weight" if not arch.tie_embeddings else "model.embed_tokens.weight")
         self.norm = w.dense("model.norm.weight")
         self.layers = [_Layer(w, i, arch) for i in range(arch.num_layers)]
         cos, sin = cos_sin_table(arch, arch.max_position)
@@ -90,6 +102,12 @@ class LlamaModel:
                   and isinstance(ly.w_gate_up, PackedWeight) and isinstance(ly.w_down, PackedWeight)]
         if native and len(packed) == len(self.layers):
             self._c_layers = ops.layer_table(packed)
+        # The fast arithmetic runs every step's layers in one C call (forward.c); None: op by op (tests compare).
+        self._c_fast = None
+        if fast:
+            qs = [(ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, ly.bqkv, ly.ln1, ly.ln2) for ly in self.layers]
+            assert all(isinstance(w, QWeight) for q in qs for w in q[:4])  # _Weights(fast=True) packs every one
+            self._c_fast = ops.layer_table(qs)  # type: ignore[arg-type]  # Weight narrowed by the assert above
 
     @torch.inference_mode()
     def forward(
@@ -106,8 +124,16 @@ class LlamaModel:
         if isinstance(self.embed, PackedWeight):
             h = self.embed.rows(input_ids)  # (T, E)
         else:
+            assert isinstance(self.embed, torch.Tensor)
             h = F.embedding(input_ids, self.embed)  # (T, E)
-        if (self._c_layers is not None and not meta.prefills and meta.decode_rows is not None
+        if self.fast and self._c_fast is not None:
+            assert meta.spans is not None and meta.tables is not None
+            ops.forward_fast(self._c_fast, (a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
+                             a.head_dim), a.rms_eps, self.scale, self.cos, self.sin, k_cache, v_cache, h, positions,
+                             meta.slot_mapping, meta.spans, meta.tables)
+        elif self.fast:
+            h = self._layers_fast(h, positions, k_cache, v_cache, meta)
+        elif (self._c_layers is not None and not meta.prefills and meta.decode_rows is not None
                 and meta.decode_rows.shape[0] == t and t < ops.DENSE_FROM_ROWS):
             # every row is one decode token, rows in order (the runner's layout for a decode-only batch): all
             # layers in one C call, the same ops in the same order as the loop below
@@ -126,6 +152,26 @@ class LlamaModel:
                 x = self._norm(h, layer.ln2)
                 h = h + linear(self._swiglu(linear(x, layer.w_gate_up)), layer.w_down)
         return linear(self._norm(h[logits_rows], self.norm), self.lm_head).float()
+
+    def _layers_fast(self, h: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMeta) -> torch.Tensor:
+        """Every layer with the fast arithmetic; k_cache (L, P, KVH, D, S), v_cache (L, P, S, KVH, D)."""
+        a = self.arch
+        assert meta.spans is not None and meta.tables is not None
+        t, hd, kd = h.shape[0], a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        for i, layer in enumerate(self.layers):
+            x = ops.rms_norm(h, layer.ln1, a.rms_eps)
+            qkv = linear(x, layer.wqkv, layer.bqkv)  # (T, HD + 2 KD)
+            ops.rope_(qkv, a.num_heads + a.num_kv_heads, a.head_dim, self.cos, self.sin, positions)
+            ops.write_kv(qkv[:, hd : hd + kd].reshape(t, a.num_kv_heads, a.head_dim),
+                         qkv[:, hd + kd :].reshape(t, a.num_kv_heads, a.head_dim), k_cache[i], v_cache[i],
+                         meta.slot_mapping)
+            o = ops.paged_attention_kt(qkv[:, :hd].reshape(t, a.num_heads, a.head_dim), k_cache[i], v_cache[i],
+                                       meta.spans, meta.tables, self.scale)
+            h = h + linear(o.view(t, hd), layer.wo)
+            x = ops.rms_norm(h, layer.ln2, a.rms_eps)
+            h = h + linear(ops.silu_mul(linear(x, layer.w_gate_up)), layer.w_down)
+        return h
 
     # The three places where the kernel sets differ; native is the same math with sums in another order.
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 The served context window is the smallest any eligible worker can hold. The router refuses to start (and
 refuses to register a worker) when a worker's KV pool holds fewer tokens than that window, or when
-workers disagree on the model fingerprint, page size, KV dtype, KV layout or kernels. Each message names both
+workers disagree on the model fingerprint, page size, KV dtype, KV layout, kernels or arithmetic. Each message names both
 numbers and both fixes.
 """
 
@@ -12,9 +12,9 @@ from typing import Any
 
 from kvseal.errors import CapacityMismatch
 
-# kernels: torch and native compute the same KV up to float rounding; mixing them would make a disaggregated
-# answer differ from a unified one in the last bits, so the fleet agrees on one.
-_MUST_MATCH = ("model_fingerprint", "page_size", "kv_dtype", "kv_layout", "kernels")
+# kernels/arithmetic: the kernel sets compute the same KV only up to rounding (exact) or quantization (fast);
+# mixing them would make a disaggregated answer differ from a unified one, so the fleet agrees on one.
+_MUST_MATCH = ("model_fingerprint", "page_size", "kv_dtype", "kv_layout", "kernels", "arithmetic")
 
 
 def served_window(infos: list[tuple[str, dict[str, Any]]], max_model_len: int | None) -> int:
@@ -45,7 +45,8 @@ def check_fleet(infos: list[tuple[str, dict[str, Any]]], window: int) -> None:
                 raise CapacityMismatch(
                     f"{name} has {key}={info[key]!r} but {ref_name} has {key}={ref[key]!r}: KV computed by one "
                     f"cannot be used by the other. Fix: start every worker with the same model, --page-size, "
-                    f"--dtype and --kernels.")
+                    f"--dtype, --kv-dtype, --kernels and --arithmetic (on the same kind of CPU: the fast arithmetic "
+                    f"names the instruction set it picked).")
         pool = int(info["pool_tokens"])
         if pool < window:
             raise CapacityMismatch(

@@ -181,8 +181,11 @@ def _word(nbytes: int, ptr: int) -> torch.dtype:
 
 
 def _check_pools(k: torch.Tensor, v: torch.Tensor) -> None:
-    if k.shape != v.shape or k.dtype != v.dtype or k.dim() != 5 or not (k.is_contiguous() and v.is_contiguous()):
-        raise ValueError(f"K and V pools must be contiguous (L, P, S, KVH, D) tensors of one shape and dtype, "
+    # The layout inside a page is the workers' business (kv_layout, checked by the fleet check and verify());
+    # here a page is a block of (S * KVH * D) elements of one dtype per layer, on both sides.
+    if (k.dim() != 5 or v.dim() != 5 or k.dtype != v.dtype or k.shape[:2] != v.shape[:2]
+            or k[0, 0].numel() != v[0, 0].numel() or not (k.is_contiguous() and v.is_contiguous())):
+        raise ValueError(f"K and V pools must be contiguous (L, P, ...) tensors of one dtype and page size, "
                          f"got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
 
 

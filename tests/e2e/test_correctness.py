@@ -63,7 +63,8 @@ def hf_reference(smol: Checkpoint) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def _engine(ck: Checkpoint, kernels: str, budget: int = 256) -> Engine:
-    engine = Engine(EngineConfig(model=ModelConfig(kernels=kernels), cache=CacheConfig(page_size=16, pool_tokens=8192),
+    engine = Engine(EngineConfig(model=ModelConfig(kernels=kernels, arithmetic="exact"),
+                                 cache=CacheConfig(page_size=16, pool_tokens=8192),
                                  scheduler=SchedulerConfig(max_num_batched_tokens=budget)), ck)
     assert engine.kernels == kernels
     return engine

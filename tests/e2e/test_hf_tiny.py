@@ -40,7 +40,8 @@ def test_engine_equals_transformers_on_tiny_hf_models(tmp_path: Path, family: st
     prompts = [torch.randint(3, ck.arch.vocab_size, (n,), generator=g).tolist() for n in (5, 37, 90)]
     expected = _hf_greedy(folder, prompts)
     assert len({t for seq in expected for t in seq}) > 1  # a real continuation, not one repeated token
-    engine = Engine(EngineConfig(model=ModelConfig(kernels=kernels), cache=CacheConfig(page_size=8, pool_tokens=1024),
+    engine = Engine(EngineConfig(model=ModelConfig(kernels=kernels, arithmetic="exact"),
+                                 cache=CacheConfig(page_size=8, pool_tokens=1024),
                                  scheduler=SchedulerConfig(max_num_batched_tokens=32)), ck)
     assert engine.kernels == kernels
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)

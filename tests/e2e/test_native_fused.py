@@ -17,7 +17,8 @@ pytestmark = pytest.mark.e2e
 
 
 def _engine(ck: Checkpoint, fused: bool) -> Engine:
-    e = Engine(EngineConfig(model=ModelConfig(kernels="native"), cache=CacheConfig(page_size=16, pool_tokens=2048),
+    e = Engine(EngineConfig(model=ModelConfig(kernels="native", arithmetic="exact"),
+                            cache=CacheConfig(page_size=16, pool_tokens=2048),
                             scheduler=SchedulerConfig(max_num_batched_tokens=64)), ck)
     assert e.model._c_layers is not None  # the bundled model's matrices are all packed
     if not fused:

@@ -31,7 +31,8 @@ def client(server: Server) -> openai.OpenAI:
 
 def test_chat_names_paris(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=40,
-                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+                                       messages=[{"role": "user",
+                                                 "content": "What is the capital of France? Answer in one sentence."}])
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.prompt_tokens > 10 and r.usage.completion_tokens > 0

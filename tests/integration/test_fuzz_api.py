@@ -487,7 +487,8 @@ def test_still_serves_correctly_after_fuzzing(http: httpx.Client) -> None:
     wait_until(lambda: at_baseline(http), 30, "every KV page free after the fuzzing")
     assert http.get("/health").json() == {"status": "ok"}
     r = http.post(CHAT, json={"model": MODEL, "temperature": 0, "max_tokens": 20,
-                              "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+                              "messages": [{"role": "user",
+                                            "content": "What is the capital of France? Answer in one sentence."}]})
     assert r.status_code == 200, r.text
     check_whole(r.json(), True, 20, False)
     assert "Paris" in r.json()["choices"][0]["message"]["content"]

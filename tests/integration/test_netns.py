@@ -209,7 +209,8 @@ def fleet(hosts: Hosts) -> Iterator[Fleet]:
 def greedy(fleet: Fleet, timeout: float = 300) -> httpx.Response:
     return httpx.post(fleet.hosts.router_url + "/v1/chat/completions", timeout=timeout, json={
         "model": MODEL, "temperature": 0, "max_tokens": 20,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        "messages": [{"role": "user",
+                      "content": "What is the capital of France? Answer in one sentence."}]})
 
 
 def test_three_hosts_end_to_end(fleet: Fleet) -> None:
