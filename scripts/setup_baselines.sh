@@ -90,8 +90,10 @@ setup_llama_server() {
   echo "llama-server: building from $src with $args (jobs=$JOBS)"
   start=$(date +%s)
   # shellcheck disable=SC2086  # $args is a list of -D flags
-  nice -n "$NICE" cmake -S "$src" -B "$build" $args >"$PEERS/llama-server-cmake.log"
-  nice -n "$NICE" cmake --build "$build" -j "$JOBS" --target llama-server >"$PEERS/llama-server-build.log"
+  nice -n "$NICE" cmake -S "$src" -B "$build" $args >"$PEERS/llama-server-cmake.log" 2>&1 \
+    || { tail -30 "$PEERS/llama-server-cmake.log" >&2; exit 1; }
+  nice -n "$NICE" cmake --build "$build" -j "$JOBS" --target llama-server >"$PEERS/llama-server-build.log" 2>&1 \
+    || { tail -30 "$PEERS/llama-server-build.log" >&2; exit 1; }
   mkdir -p "$PEERS/bin"
   cp "$build/bin/llama-server" "$bin.tmp" && mv "$bin.tmp" "$bin"
   {
