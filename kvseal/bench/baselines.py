@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -48,6 +49,9 @@ from kvseal.bench.systems import (
     slot_ctx_for,
     unavailable,
 )
+
+# Environment variables that change how the servers run (OpenMP's spinning, thread counts): recorded with the run.
+INHERITED_ENV = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "KMP_BLOCKTIME", "PEERS")
 
 
 class ServerDidNotStart(Exception):
@@ -137,13 +141,14 @@ def run_system(system: str, s: Settings, a: argparse.Namespace, extra: Sequence[
             print(f"   {system} did not start: {e.reason}", file=sys.stderr, flush=True)
             break
         server["ready_s"] = round(time.monotonic() - t0, 1)
+        print(f"   ready in {server['ready_s']}s", file=sys.stderr, flush=True)
         try:
             cmds = workload_commands(a, extra, srv.url, out_dir, stem, plot)
             for w in group:
                 result_path, cmd = cmds[w]
                 with contextlib.suppress(FileNotFoundError):
                     result_path.unlink()  # never report a previous run's numbers
-                print(f"   ready in {server['ready_s']}s; {' '.join(cmd)}", file=sys.stderr, flush=True)
+                print(f"   {w}: {' '.join(cmd)}", file=sys.stderr, flush=True)
                 rc = subprocess.run(cmd, check=False).returncode
                 entry[f"{w}_bench_command"], entry[f"{w}_bench_exit"] = cmd, rc
                 if result_path.is_file():
@@ -235,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     machine = cpu_record.collect()
     print(cpu_record.header(machine), file=sys.stderr, flush=True)
-    doc: dict[str, Any] = {"started": time.strftime("%F %T"), "machine": machine, "settings": asdict(settings),
+    env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}  # every server inherits these
+    doc: dict[str, Any] = {"started": time.strftime("%F %T"), "machine": machine, "env": env,
+                           "settings": asdict(settings),
                            "workloads": {"load": {"input_len": a.input_len, "output_len": a.output_len,
                                                   "num_prompts": a.num_prompts, "max_concurrency": a.max_concurrency},
                                          "long": {"input_len": a.long_input_len, "output_len": a.long_output_len,

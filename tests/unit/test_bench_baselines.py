@@ -241,6 +241,7 @@ def test_run_records_a_row_for_peers_that_cannot_start(tmp_path: Path, monkeypat
             return _fake("import sys; print('ValueError: no oneDNN kernel for this CPU'); sys.exit(1)")
         return real_launch(system, port, s, workload)
 
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # inherited by every server, so recorded with the run
     monkeypatch.setattr(bl, "launch", fake_launch)
     monkeypatch.setattr(bl, "unavailable", lambda system, s: None if system == "vllm" else unavailable(system, s))
     rc = bl.main(["--systems", "llama-server,vllm", "--peers", str(tmp_path / "peers"), "--out-dir",
@@ -251,6 +252,7 @@ def test_run_records_a_row_for_peers_that_cannot_start(tmp_path: Path, monkeypat
     assert ls["status"] == "unavailable" and "not built" in ls["reason"] and ls["servers"] == []
     assert vl["status"] == "failed" and vl["reason"] == "exited with 1 while starting: ValueError: no oneDNN kernel for this CPU"
     assert doc["machine"]["isa"].keys() == set(cpu_record.ISA_FLAGS) and doc["settings"]["slots"] == 8
+    assert doc["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
     out = capsys.readouterr().out
     assert out.startswith("CPU: ") and "did not run: not built" in out and "failed: exited with 1" in out
     assert "2,000-token prompt TTFT" in doc["table"]
