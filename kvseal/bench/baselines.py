@@ -1,20 +1,23 @@
-"""kvseal against other servers of the same model, one after another, with the same `kvseal bench` load.
+"""kvseal against the servers people deploy: one after another, on the same machine, in the same run, with the same
+token-exact prompts and the same `kvseal bench` load.
 
-    python -m kvseal.bench.baselines                                   # all four, c = 1,4,16,32
-    python -m kvseal.bench.baselines --systems kvseal,hf --num-prompts 32 -- --warmup 2
+    python -m kvseal.bench.baselines                  # kvseal x3, llama-server, vLLM, transformers
+    python -m kvseal.bench.baselines --systems kvseal,llama-server --num-prompts 32 -- --warmup 2
 
-Systems (docs/baselines.md), each started on a free loopback port, waited for, measured, and stopped
-before the next one starts, so they never share the CPU:
-  kvseal          `kvseal serve --unified` (one process)
-  kvseal-disagg   `kvseal serve --prefill 1 --decode 1` (router + prefill + decode processes)
-  kvseal-torch    `kvseal serve --unified --kernels torch` (torch ops on dequantized float32 weights)
-  llama.cpp       llama-cpp-python's OpenAI server on the GGUF itself (Q4_1 weights), via
-                  kvseal.bench.llamacpp_server (token-id prompts accepted); it serves one request at a time
-  hf              kvseal.bench.hf_server: transformers with static batching
-The load is `python -m kvseal bench --base-url URL --dataset fixed --input-len I --output-len O
---num-prompts N --max-concurrency C --result-json ... [--plot ...]`, plus whatever follows `--`.
-Each system's JSON goes to --out-dir/<system>.json; all of them, the commands and the side-by-side table
-(output tok/s, median TTFT, median TPOT per concurrency) go to --out-dir/baselines.json.
+How each system is started: kvseal.bench.systems; set-up, flags and caveats: docs/baselines.md. The peers are
+built by `bash scripts/setup_baselines.sh` under $PEERS (default ~/.cache/kvseal-peers).
+
+For each system: start it on a free loopback port, wait until it is ready, run two workloads with `kvseal bench`
+(always `--dataset fixed --fresh-prompts`: prompts of exactly N random token ids, none sent twice):
+  load   --input-len I --output-len O --num-prompts N --max-concurrency 1,4,16,32
+  long   --input-len 2000 --output-len 1 --num-prompts 1 --max-concurrency 1   (time to first token)
+then stop it (SIGTERM to its process group, SIGKILL after 30 s), so no two servers share the CPU. A system that
+cannot start (not built, crash at start, not ready in time) gets a row that says why; the others still run, and
+the exit code is 1 when any system did not run or any request failed.
+
+Output in --out-dir: <system>.json and <system>.long.json (kvseal bench's results), <system>.*.server.log, and
+baselines.json: the CPU record (model, ISA flags, torch's capability, date, commit), every command, readiness
+times, exit codes, results and both tables. The table printed at the end is headed by the CPU record.
 """
 
 from __future__ import annotations
@@ -26,132 +29,135 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvseal.bench.common import ManagedServer, fmt_num, free_port, markdown_table
+from kvseal.bench import cpu_record
+from kvseal.bench.baselines_table import build_table, side_by_side_plot, summary_table
+from kvseal.bench.common import ManagedServer, free_port
+from kvseal.bench.systems import (
+    DEFAULT_SYSTEMS,
+    SYSTEMS,
+    Launch,
+    Settings,
+    Workload,
+    default_peers_dir,
+    launch,
+    long_variant,
+    slot_ctx_for,
+    unavailable,
+)
 
-SYSTEMS: dict[str, str] = {
-    "kvseal": "kvseal unified",
-    "kvseal-disagg": "kvseal disagg 1P+1D",
-    "kvseal-torch": "kvseal unified --kernels torch",
-    "llama.cpp": "llama-cpp-python",
-    "hf": "transformers",
-}
-# Where each server says it is ready (llama-cpp-python has no /health).
-READY_PATH = {"kvseal": "/health", "kvseal-disagg": "/health", "kvseal-torch": "/health", "llama.cpp": "/v1/models", "hf": "/health"}
-METRICS = [("output tok/s", "output_tok_s", 1), ("median TTFT (ms)", "ttft_median_ms", 1),
-           ("median TPOT (ms)", "tpot_median_ms", 1)]
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What every server gets: the same model file, dtype (for the two that dequantize) and CPU threads."""
-
-    model_path: str
-    served_name: str = "SmolLM2-135M-Instruct"
-    dtype: str = "float32"
-    threads: int | None = None  # None: kvseal's and torch's own choice; llama.cpp gets os.cpu_count()
-    n_ctx: int = 8192
-    max_batch: int = 32
-    wait_timeout: float = 3600.0
-    explicit_model: bool = False  # pass model_path to kvseal/hf too (else they load the bundled default)
+# Environment variables that change how the servers run (OpenMP's spinning, thread counts): recorded with the run.
+INHERITED_ENV = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "KMP_BLOCKTIME", "PEERS")
 
 
-def server_command(system: str, port: int, s: Settings, python: str = sys.executable) -> list[str]:
-    """The argv that starts `system` on 127.0.0.1:port."""
-    model = [s.model_path] if s.explicit_model else []
-    threads = ["--threads", str(s.threads)] if s.threads else []
-    if system in ("kvseal", "kvseal-disagg", "kvseal-torch"):
-        mode = {"kvseal": ["--unified"], "kvseal-disagg": ["--prefill", "1", "--decode", "1"],
-                "kvseal-torch": ["--unified", "--kernels", "torch"]}[system]
-        return [python, "-m", "kvseal", "serve", *model, *mode, "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", s.dtype, "--served-model-name", s.served_name, "--wait-timeout", f"{s.wait_timeout:g}",
-                "--log-level", "warning", *threads]
-    if system == "llama.cpp":
-        n = str(s.threads or os.cpu_count() or 1)
-        # interrupt_requests=false: by default a new request cuts off the one being streamed.
-        # logits_all=false: the server's default (true) keeps logits of every prompt position, which only
-        # logprobs need. n_threads defaults to half the cores, n_threads_batch to all of them.
-        return [python, "-m", "kvseal.bench.llamacpp_server", "--model", s.model_path,
-                "--model_alias", s.served_name, "--host", "127.0.0.1", "--port", str(port),
-                "--n_ctx", str(s.n_ctx), "--n_threads", n, "--n_threads_batch", n,
-                "--interrupt_requests", "false", "--logits_all", "false", "--verbose", "false"]
-    if system == "hf":
-        return [python, "-m", "kvseal.bench.hf_server", *model, "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", s.dtype, "--max-batch", str(s.max_batch), "--served-model-name", s.served_name,
-                "--max-model-len", str(s.n_ctx), "--log-level", "warning", *threads]
-    raise ValueError(f"unknown system {system!r}; one of {', '.join(SYSTEMS)}")
+class ServerDidNotStart(Exception):
+    """A server that could not be executed, exited while starting, or was not ready in time."""
+
+    def __init__(self, reason: str, log_tail: str = "") -> None:
+        super().__init__(reason)
+        self.reason, self.log_tail = reason, log_tail
+
+
+def _last_line(text: str) -> str:
+    return next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")[:300]
+
+
+def start(how: Launch, port: int, log_path: str, timeout: float) -> ManagedServer:
+    """The server, ready; or ServerDidNotStart with a one-line reason (its last line of output in it)."""
+    try:
+        srv = ManagedServer(list(how.argv), f"http://127.0.0.1:{port}", how.ready_path, log_path, env=dict(how.env))
+    except OSError as e:
+        raise ServerDidNotStart(f"cannot execute {how.argv[0]}: {e.strerror or e}") from e
+    try:
+        srv.wait_ready(timeout)
+    except (RuntimeError, TimeoutError) as e:
+        code = srv.stop()
+        tail = srv.output()[-3000:]
+        what = f"not ready after {timeout:g} s" if isinstance(e, TimeoutError) else f"exited with {code} while starting"
+        last = _last_line(tail)
+        raise ServerDidNotStart(f"{what}: {last}" if last else what, tail) from e
+    return srv
 
 
 def bench_command(base_url: str, result_json: str, *, input_len: int, output_len: int, num_prompts: int,
                   concurrency: str, plot: str | None, extra: Sequence[str] = (),
                   python: str = sys.executable) -> list[str]:
-    """The `kvseal bench` argv for one system; `extra` comes last, so it can override any flag."""
+    """The `kvseal bench` argv for one workload; `extra` comes last, so it can override any flag."""
     cmd = [python, "-m", "kvseal", "bench", "--base-url", base_url, "--dataset", "fixed",
            "--input-len", str(input_len), "--output-len", str(output_len), "--num-prompts", str(num_prompts),
-           "--max-concurrency", concurrency, "--result-json", result_json]
+           "--max-concurrency", concurrency, "--fresh-prompts", "--result-json", result_json]
     if plot:
         cmd += ["--plot", plot]
     return [*cmd, *extra]
 
 
-# -- the combined table ----------------------------------------------------------------------------------
+def workload_commands(a: argparse.Namespace, extra: Sequence[str], url: str, out_dir: Path, stem: str,
+                      plot: bool) -> dict[Workload, tuple[Path, list[str]]]:
+    """{workload: (its result JSON, its kvseal bench argv)}; no "long" when --long-input-len is 0."""
+    load = out_dir / f"{stem}.json"
+    out: dict[Workload, tuple[Path, list[str]]] = {"load": (load, bench_command(
+        url, str(load), input_len=a.input_len, output_len=a.output_len, num_prompts=a.num_prompts,
+        concurrency=a.max_concurrency, plot=str(out_dir / f"{stem}.png") if plot else None, extra=extra))}
+    if a.long_input_len:
+        long = out_dir / f"{stem}.long.json"
+        out["long"] = (long, bench_command(url, str(long), input_len=a.long_input_len, output_len=a.long_output_len,
+                                           num_prompts=a.long_num_prompts, concurrency="1", plot=None, extra=extra))
+    return out
 
 
-def _level_key(level: dict[str, Any]) -> str:
-    c = level.get("max_concurrency")
-    if c:
-        return f"c={c}"
-    rate = level.get("request_rate")
-    return "rate=inf" if rate in (None, "inf") or rate == float("inf") else f"rate={rate:g}/s"
-
-
-def passes_by_level(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """A `kvseal bench` result JSON -> {"c=4": metrics, ...} in the order of its passes."""
-    return {_level_key(p.get("level") or {}): p.get("metrics") or {} for p in result.get("passes") or []}
-
-
-def _num(v: Any, digits: int) -> str:
-    return fmt_num(None if v is None else float(v), digits)
-
-
-def build_table(results: dict[str, dict[str, Any] | None]) -> str:
-    """One markdown table, a row per (load level, system), the systems of a level next to each other.
-
-    `results` maps a system to its `kvseal bench` JSON (None: the system did not run). Failed requests and
-    outputs shorter than asked are listed under the table, since they make a row incomparable."""
-    per = {s: passes_by_level(r) if r else {} for s, r in results.items()}
-    levels: list[str] = []
-    for s in results:
-        levels += [lv for lv in per[s] if lv not in levels]
-    rows = [[lv, SYSTEMS.get(s, s), *(_num(per[s][lv].get(key), d) for _, key, d in METRICS)]
-            for lv in levels for s in results if lv in per[s]]
-    notes = []
-    for s, r in results.items():
-        if r is None:
-            notes.append(f"- {SYSTEMS.get(s, s)}: did not run")
-        for lv, m in per[s].items():
-            failed, short = m.get("failed") or 0, m.get("short_outputs") or 0
-            if failed or short:
-                notes.append(f"- {SYSTEMS.get(s, s)} {lv}: {failed} failed, {short} short outputs")
-    table = markdown_table(["load", "system", *(name for name, _, _ in METRICS)], rows)
-    return table + ("\n\n" + "\n".join(notes) if notes else "")
-
-
-# -- running ---------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def running(argv: list[str], port: int, ready_path: str, log_path: str, timeout: float) -> Iterator[ManagedServer]:
-    srv = ManagedServer(argv, f"http://127.0.0.1:{port}", ready_path, log_path)
-    try:
-        srv.wait_ready(timeout)
-        yield srv
-    finally:
-        srv.stop()
+def run_system(system: str, s: Settings, a: argparse.Namespace, extra: Sequence[str], out_dir: Path,
+               plot: bool) -> dict[str, Any]:
+    """Start, measure and stop one system; its record for baselines.json (status "ok", "unavailable" or
+    "failed" with a one-line reason)."""
+    entry: dict[str, Any] = {"label": SYSTEMS[system], "status": "ok", "servers": []}
+    reason = unavailable(system, s)
+    if reason:
+        entry.update(status="unavailable", reason=reason)
+        print(f"== {system}: cannot run here: {reason}", file=sys.stderr, flush=True)
+        return entry
+    stem = system.replace(".", "")
+    separate = long_variant(system, s)
+    workloads: list[Workload] = ["load", "long"] if a.long_input_len else ["load"]
+    groups = [[w] for w in workloads] if separate else [workloads]  # workloads that share one server start
+    if separate and a.long_input_len:
+        entry["long_note"] = f"its own server ({separate})"
+    for group in groups:
+        port = free_port()
+        how = launch(system, port, s, group[0])
+        server: dict[str, Any] = {"workloads": group, "command": list(how.argv), "env": dict(how.env),
+                                  "log": str(out_dir / f"{stem}.{group[0]}.server.log")}
+        entry["servers"].append(server)
+        print(f"== {system} ({', '.join(group)}): {' '.join(how.argv)}", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        try:
+            srv = start(how, port, server["log"], a.ready_timeout)
+        except ServerDidNotStart as e:
+            server["error"] = e.log_tail
+            entry.update(status="failed", reason=e.reason)
+            print(f"   {system} did not start: {e.reason}", file=sys.stderr, flush=True)
+            break
+        server["ready_s"] = round(time.monotonic() - t0, 1)
+        print(f"   ready in {server['ready_s']}s", file=sys.stderr, flush=True)
+        try:
+            cmds = workload_commands(a, extra, srv.url, out_dir, stem, plot)
+            for w in group:
+                result_path, cmd = cmds[w]
+                with contextlib.suppress(FileNotFoundError):
+                    result_path.unlink()  # never report a previous run's numbers
+                print(f"   {w}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+                rc = subprocess.run(cmd, check=False).returncode
+                entry[f"{w}_bench_command"], entry[f"{w}_bench_exit"] = cmd, rc
+                if result_path.is_file():
+                    entry["result" if w == "load" else "long_result"] = json.loads(result_path.read_text())
+                elif entry["status"] == "ok":
+                    entry.update(status="failed", reason=f"{w}: kvseal bench exited with {rc} and wrote no result")
+        finally:
+            server["exit"] = srv.stop()
+    return entry
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -162,17 +168,26 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         raw, extra = raw[:i], raw[i + 1:]
     p = argparse.ArgumentParser(prog="python -m kvseal.bench.baselines", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"comma list of {', '.join(SYSTEMS)} (default: all but llama-cpp-python)")
     p.add_argument("--model", default=None, help="a .gguf (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="kvseal's and transformers' dtype (llama.cpp runs the GGUF's own quantized weights)")
+                   help="kvseal's and transformers' dtype (llama.cpp runs the GGUF's Q4_1 weights, vLLM bfloat16)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for every server (default: theirs)")
-    p.add_argument("--n-ctx", type=int, default=8192, help="context window of llama.cpp and hf_server")
+    p.add_argument("--n-ctx", type=int, default=8192, help="context window (llama-server's for the long prompt)")
     p.add_argument("--max-batch", type=int, default=32, help="hf_server's largest batch")
+    p.add_argument("--slots", type=int, default=None,
+                   help="llama-server -np for the load (default: the largest --max-concurrency)")
+    p.add_argument("--peers", default=default_peers_dir(),
+                   help="where scripts/setup_baselines.sh put the peers (default: $PEERS or ~/.cache/kvseal-peers)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-concurrency", default="1,4,16,32")
+    p.add_argument("--long-input-len", type=int, default=2000,
+                   help="prompt tokens of the long-prompt TTFT workload (0: skip it)")
+    p.add_argument("--long-output-len", type=int, default=1)
+    p.add_argument("--long-num-prompts", type=int, default=1, help="long prompts, sent one at a time")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")
     p.add_argument("--out-dir", default="bench_out/baselines")
     p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=None,
@@ -182,6 +197,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     unknown = [s for s in a.system_list if s not in SYSTEMS]
     if unknown:
         p.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    try:
+        a.concurrency_list = [int(c) for c in a.max_concurrency.split(",")]
+    except ValueError:
+        p.error(f"--max-concurrency: expected a comma list of whole numbers, got {a.max_concurrency!r}")
+    if a.long_input_len and a.long_input_len + a.long_output_len > a.n_ctx:
+        p.error(f"--long-input-len {a.long_input_len} + --long-output-len {a.long_output_len} does not fit "
+                f"--n-ctx {a.n_ctx}: raise --n-ctx or lower --long-input-len")
     return a, extra
 
 
@@ -193,31 +215,13 @@ def _has_matplotlib() -> bool:
     return True
 
 
-def side_by_side_plot(results: dict[str, dict[str, Any] | None], path: str) -> None:
-    """One PNG: output tok/s, median TTFT and median TPOT against concurrency, a line per system."""
-    import matplotlib
+def settings_from(a: argparse.Namespace) -> Settings:
+    from kvseal.model.loader import DEFAULT_MODEL_NAME, default_model_path
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for system, r in results.items():
-        if not r:
-            continue
-        passes = [(int((p.get("level") or {}).get("max_concurrency") or 0), p.get("metrics") or {})
-                  for p in r.get("passes") or []]
-        passes = sorted((c, m) for c, m in passes if c > 0)
-        for ax, (title, key, _) in zip(axes, METRICS, strict=True):
-            ax.plot([c for c, _ in passes], [m.get(key) for _, m in passes], marker="o",
-                    label=SYSTEMS.get(system, system))
-            ax.set_title(title)
-            ax.set_xlabel("concurrent streams")
-            ax.set_xscale("log", base=2)
-    axes[1].set_yscale("log")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return Settings(model_path=a.model or default_model_path(), dtype=a.dtype, threads=a.threads, n_ctx=a.n_ctx,
+                    max_batch=a.max_batch, explicit_model=a.model is not None,
+                    served_name=Path(a.model).stem if a.model else DEFAULT_MODEL_NAME, peers_dir=a.peers,
+                    slots=a.slots or max(a.concurrency_list), slot_ctx=slot_ctx_for(a.input_len, a.output_len))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,62 +234,39 @@ def main(argv: list[str] | None = None) -> int:
         print(out)
         return 0
     a, extra = parse_args(argv)
-    from kvseal.model.loader import DEFAULT_MODEL_NAME, default_model_path
-
-    settings = Settings(model_path=a.model or default_model_path(), dtype=a.dtype, threads=a.threads,
-                        n_ctx=a.n_ctx, max_batch=a.max_batch, explicit_model=a.model is not None,
-                        served_name=Path(a.model).stem if a.model else DEFAULT_MODEL_NAME)
+    settings = settings_from(a)
     plot = _has_matplotlib() if a.plot is None else a.plot
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {"started": time.strftime("%F %T"), "settings": asdict(settings),
+    machine = cpu_record.collect()
+    print(cpu_record.header(machine), file=sys.stderr, flush=True)
+    env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}  # every server inherits these
+    doc: dict[str, Any] = {"started": time.strftime("%F %T"), "machine": machine, "env": env,
+                           "settings": asdict(settings),
+                           "workloads": {"load": {"input_len": a.input_len, "output_len": a.output_len,
+                                                  "num_prompts": a.num_prompts, "max_concurrency": a.max_concurrency},
+                                         "long": {"input_len": a.long_input_len, "output_len": a.long_output_len,
+                                                  "num_prompts": a.long_num_prompts}},
                            "bench_extra_args": extra, "systems": {}}
-    results: dict[str, dict[str, Any] | None] = {}
-    failures = 0
 
     def save() -> None:
         (out_dir / "baselines.json").write_text(json.dumps(doc, indent=1))
 
     for system in a.system_list:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        stem = system.replace(".", "")
-        result_path = out_dir / f"{stem}.json"
-        with contextlib.suppress(FileNotFoundError):
-            result_path.unlink()  # never report a previous run's numbers
-        srv_cmd = server_command(system, port, settings)
-        b_cmd = bench_command(url, str(result_path), input_len=a.input_len, output_len=a.output_len,
-                              num_prompts=a.num_prompts, concurrency=a.max_concurrency,
-                              plot=str(out_dir / f"{stem}.png") if plot else None, extra=extra)
-        entry: dict[str, Any] = {"label": SYSTEMS[system], "server_command": srv_cmd, "bench_command": b_cmd,
-                                 "server_log": str(out_dir / f"{stem}.server.log")}
-        doc["systems"][system] = entry
-        print(f"== {system}: {' '.join(srv_cmd)}", file=sys.stderr, flush=True)
-        t0 = time.monotonic()
-        try:
-            with running(srv_cmd, port, READY_PATH[system], entry["server_log"], a.ready_timeout) as srv:
-                entry["ready_s"] = round(time.monotonic() - t0, 1)
-                print(f"   ready in {entry['ready_s']}s; {' '.join(b_cmd)}", file=sys.stderr, flush=True)
-                entry["bench_exit"] = subprocess.run(b_cmd, check=False).returncode
-            entry["server_exit"] = srv.p.returncode
-        except (RuntimeError, TimeoutError, OSError) as e:
-            entry["error"] = str(e)[-3000:]
-            print(f"   {system} failed: {str(e)[-1500:]}", file=sys.stderr, flush=True)
-        if result_path.is_file():
-            entry["result"] = results[system] = json.loads(result_path.read_text())
-        else:
-            results[system] = None
-        if entry.get("error") or entry.get("bench_exit") or results[system] is None:
-            failures += 1
+        doc["systems"][system] = run_system(system, settings, a, extra, out_dir, plot)
         save()
+    entries: dict[str, dict[str, Any]] = doc["systems"]
     doc["finished"] = time.strftime("%F %T")
-    doc["table"] = build_table(results)
+    doc["table"] = summary_table(entries, a.long_input_len or None)
+    doc["detail_table"] = build_table({s: e.get("result") for s, e in entries.items()})
     save()
     if plot:
-        side_by_side_plot(results, str(out_dir / "side_by_side.png"))
-    print(doc["table"])
+        side_by_side_plot({s: e.get("result") for s, e in entries.items()}, str(out_dir / "side_by_side.png"))
+    print(f"{cpu_record.header(machine)}\n\n{doc['table']}\n\n{doc['detail_table']}")
     print(f"\nJSON: {out_dir / 'baselines.json'}")
-    return 1 if failures else 0
+    failed = [s for s, e in entries.items()
+              if e["status"] != "ok" or any(e.get(f"{w}_bench_exit") for w in ("load", "long"))]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

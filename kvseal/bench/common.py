@@ -102,7 +102,7 @@ def fmt_ratio(x: float | None, ref: float | None) -> str:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    widths = [max([len(str(h)), *(len(str(r[i])) for r in rows)]) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
         return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
@@ -196,11 +196,17 @@ def free_port() -> int:
 class ManagedServer:
     """A server subprocess in its own process group (a disaggregated kvseal fleet stops as one)."""
 
-    def __init__(self, argv: list[str], url: str, ready_path: str, log_path: str) -> None:
+    def __init__(self, argv: list[str], url: str, ready_path: str, log_path: str,
+                 env: dict[str, str] | None = None) -> None:
+        """`env` is added to this process's environment."""
         self.argv, self.url, self.ready_path, self.log_path = argv, url, ready_path, log_path
         self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop())
-        self.p = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            self.p = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        except OSError:
+            self._log.close()
+            raise
 
     def output(self) -> str:
         with open(self.log_path, "rb") as f:

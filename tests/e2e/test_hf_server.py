@@ -11,8 +11,8 @@ import openai
 import pytest
 import torch
 
-from kvseal.bench.baselines import READY_PATH, Settings, server_command
 from kvseal.bench.common import ManagedServer, free_port
+from kvseal.bench.systems import Settings, launch
 from kvseal.model.loader import default_model_path
 from tests.helpers.bundled import transformers_gguf_model, transformers_gguf_tokenizer
 
@@ -28,8 +28,8 @@ def hf_server() -> Iterator[ManagedServer]:
     port = free_port()
     with tempfile.NamedTemporaryFile(prefix="hf-server-", suffix=".log", delete=False) as log:
         pass
-    cmd = server_command("hf", port, Settings(model_path=default_model_path(), n_ctx=2048))
-    srv = ManagedServer(cmd, f"http://127.0.0.1:{port}", READY_PATH["hf"], log.name)
+    how = launch("hf", port, Settings(model_path=default_model_path(), n_ctx=2048))
+    srv = ManagedServer(list(how.argv), f"http://127.0.0.1:{port}", how.ready_path, log.name)
     try:
         yield srv
     finally:

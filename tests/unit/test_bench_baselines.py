@@ -4,46 +4,102 @@ parsing and its batched decode loop (on a tiny random model, against transformer
 from __future__ import annotations
 
 import json
+import sys
 import threading
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from kvseal.bench import baselines as bl
+from kvseal.bench import baselines_table as bt
+from kvseal.bench import cpu_record
 from kvseal.bench import hf_server as hs
+from kvseal.bench.systems import SYSTEMS, Settings, launch, long_variant, slot_ctx_for, unavailable
 
-S = bl.Settings(model_path="/m/SmolLM2.gguf", threads=None)
-
-
-def _flag(cmd: list[str], name: str) -> str:
-    return cmd[cmd.index(name) + 1]
+S = Settings(model_path="/m/SmolLM2.gguf", threads=None, peers_dir="/peers")
 
 
-def test_server_commands() -> None:
-    uni = bl.server_command("kvseal", 1234, S, python="py")
-    assert uni[:4] == ["py", "-m", "kvseal", "serve"] and "--unified" in uni and "--prefill" not in uni
+def _flag(cmd: Sequence[str], name: str) -> str:
+    return cmd[list(cmd).index(name) + 1]
+
+
+def test_kvseal_hf_and_llama_cpp_python_commands() -> None:
+    uni = launch("kvseal", 1234, S, python="py").argv
+    assert uni[:4] == ("py", "-m", "kvseal", "serve") and "--unified" in uni and "--prefill" not in uni
     assert _flag(uni, "--port") == "1234" and _flag(uni, "--host") == "127.0.0.1"
     assert _flag(uni, "--dtype") == "float32" and "--threads" not in uni
     assert "/m/SmolLM2.gguf" not in uni  # the bundled default, unless a model was given
+    assert launch("kvseal", 1234, S, "long", python="py").argv == uni  # one server for both workloads
 
-    dis = bl.server_command("kvseal-disagg", 1, bl.Settings(model_path="/x.gguf", threads=2, explicit_model=True))
+    dis = launch("kvseal-disagg", 1, Settings(model_path="/x.gguf", threads=2, explicit_model=True)).argv
     assert "--unified" not in dis and _flag(dis, "--prefill") == "1" and _flag(dis, "--decode") == "1"
     assert _flag(dis, "--threads") == "2" and dis[4] == "/x.gguf"
 
-    ll = bl.server_command("llama.cpp", 99, S)
-    assert ll[1:3] == ["-m", "kvseal.bench.llamacpp_server"]
-    assert _flag(ll, "--model") == "/m/SmolLM2.gguf" and _flag(ll, "--n_ctx") == "8192"
-    assert _flag(ll, "--interrupt_requests") == "false" and _flag(ll, "--logits_all") == "false"
-    assert int(_flag(ll, "--n_threads")) >= 1 and _flag(ll, "--port") == "99"
+    ll = launch("llama-cpp-python", 99, S)
+    assert ll.argv[1:3] == ("-m", "kvseal.bench.llamacpp_server") and ll.ready_path == "/v1/models"
+    assert _flag(ll.argv, "--model") == "/m/SmolLM2.gguf" and _flag(ll.argv, "--n_ctx") == "8192"
+    assert _flag(ll.argv, "--interrupt_requests") == "false" and _flag(ll.argv, "--logits_all") == "false"
+    assert int(_flag(ll.argv, "--n_threads")) >= 1 and _flag(ll.argv, "--port") == "99"
 
-    hf = bl.server_command("hf", 7, bl.Settings(model_path="/m.gguf", dtype="bfloat16", max_batch=8))
-    assert hf[1:3] == ["-m", "kvseal.bench.hf_server"]
-    a = hs.parse_args(hf[3:])  # hf_server's own parser accepts exactly what baselines passes
+    hf = launch("hf", 7, Settings(model_path="/m.gguf", dtype="bfloat16", max_batch=8))
+    a = hs.parse_args(list(hf.argv[3:]))  # hf_server's own parser accepts exactly what baselines passes
     assert (a.port, a.dtype, a.max_batch, a.max_model_len, a.model) == (7, "bfloat16", 8, 8192, None)
+    assert hf.argv[1:3] == ("-m", "kvseal.bench.hf_server") and hf.ready_path == "/health"
 
     with pytest.raises(ValueError, match="unknown system"):
-        bl.server_command("vllm", 1, S)
+        launch("tgi", 1, S)
+    with pytest.raises(ValueError, match="Settings.slots must be at least 1"):
+        Settings(model_path="/m", slots=0)
+
+
+def test_llama_server_slots_per_workload() -> None:
+    """-np 32 -cb --no-cache-prompt with 512 tokens a slot for the load; -np 1 with the whole window for the
+    long prompt (a 2,000-token prompt does not fit a 512-token slot)."""
+    s = Settings(model_path="/m/q.gguf", threads=2, peers_dir="/peers", slots=32, slot_ctx=512)
+    load = launch("llama-server", 8080, s, "load")
+    assert load.argv[0] == "/peers/bin/llama-server" and load.ready_path == "/health" and load.env == ()
+    assert (_flag(load.argv, "-np"), _flag(load.argv, "-c")) == ("32", "16384")
+    assert "-cb" in load.argv and "--no-cache-prompt" in load.argv
+    assert (_flag(load.argv, "-m"), _flag(load.argv, "--alias"), _flag(load.argv, "--port")) == (
+        "/m/q.gguf", "SmolLM2-135M-Instruct", "8080")
+    assert _flag(load.argv, "-t") == _flag(load.argv, "-tb") == "2"
+    long = launch("llama-server", 8080, s, "long")
+    assert (_flag(long.argv, "-np"), _flag(long.argv, "-c")) == ("1", "8192") and "-cb" in long.argv
+    assert long_variant("llama-server", s) == "-np 1 -c 8192"
+    assert all(long_variant(x, s) is None for x in SYSTEMS if x != "llama-server")
+    assert slot_ctx_for(128, 128) == 512 and slot_ctx_for(1000, 200) == 1280  # room for prompt + output
+
+
+def test_vllm_command_and_environment() -> None:
+    how = launch("vllm", 5, Settings(model_path="/m/q.gguf", peers_dir="/peers", threads=2))
+    assert how.argv[:3] == ("/peers/vllm/bin/vllm", "serve", "/peers/models/SmolLM2-135M-Instruct")
+    assert _flag(how.argv, "--dtype") == "bfloat16" and _flag(how.argv, "--max-model-len") == "8192"
+    assert _flag(how.argv, "--served-model-name") == "SmolLM2-135M-Instruct" and _flag(how.argv, "--port") == "5"
+    assert "--no-enable-prefix-caching" not in how.argv  # its default (on), as its users run it
+    env = dict(how.env)
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in dict(launch("vllm", 5, S).env)
+
+
+def test_unavailable_names_what_is_missing(tmp_path: Path) -> None:
+    s = Settings(model_path="/m/q.gguf", peers_dir=str(tmp_path))
+    assert "not built: no executable" in str(unavailable("llama-server", s))
+    assert "setup_baselines.sh llama-server" in str(unavailable("llama-server", s))
+    assert "setup_baselines.sh vllm" in str(unavailable("vllm", s))
+    assert unavailable("kvseal", s) is None
+    for exe in (s.llama_server, s.vllm):
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+    assert unavailable("llama-server", s) is None
+    assert "no converted checkpoint" in str(unavailable("vllm", s))
+    s.vllm_model_dir.mkdir(parents=True)
+    (s.vllm_model_dir / "config.json").write_text("{}")
+    assert unavailable("vllm", s) is None
 
 
 def test_bench_command_and_passthrough() -> None:
@@ -54,6 +110,7 @@ def test_bench_command_and_passthrough() -> None:
     assert (_flag(cmd, "--input-len"), _flag(cmd, "--output-len"), _flag(cmd, "--num-prompts")) == ("128", "64", "10")
     assert _flag(cmd, "--max-concurrency") == "1,4" and _flag(cmd, "--result-json") == "/o/hf.json"
     assert _flag(cmd, "--plot") == "/o/hf.png" and cmd[-2:] == ["--warmup", "2"]
+    assert "--fresh-prompts" in cmd  # no prompt twice: vLLM's prefix cache must not answer from an earlier pass
     assert "--plot" not in bl.bench_command("u", "r", input_len=1, output_len=1, num_prompts=1, concurrency="1",
                                             plot=None)
 
@@ -78,30 +135,127 @@ def _cells(line: str) -> list[str]:
 def test_build_table() -> None:
     results: dict[str, dict[str, Any] | None] = {
         "kvseal": _result([(1, 100.0, 20.5, 9.87), (4, 350.25, 30.0, 11.0)]),
-        "llama.cpp": _result([(1, 250.0, 5.0, 4.0), (4, 260.0, 400.0, None)], short=3),
+        "llama-cpp-python": _result([(1, 250.0, 5.0, 4.0), (4, 260.0, 400.0, None)], short=3),
         "hf": None,
     }
-    table = bl.build_table(results)
+    table = bt.build_table(results)
     lines = table.splitlines()
     assert _cells(lines[0]) == ["load", "system", "output tok/s", "median TTFT (ms)", "median TPOT (ms)"]
     assert [_cells(ln) for ln in lines[2:6]] == [
         ["c=1", "kvseal unified", "100.0", "20.5", "9.9"],
-        ["c=1", "llama-cpp-python", "250.0", "5.0", "4.0"],
+        ["c=1", "llama-cpp-python (1 request at a time)", "250.0", "5.0", "4.0"],
         ["c=4", "kvseal unified", "350.2", "30.0", "11.0"],
-        ["c=4", "llama-cpp-python", "260.0", "400.0", "—"],
+        ["c=4", "llama-cpp-python (1 request at a time)", "260.0", "400.0", "—"],
     ]
     assert lines[6] == ""
-    assert "- transformers: did not run" in table
-    assert "- llama-cpp-python c=1: 0 failed, 3 short outputs" in table
-    assert "llama-cpp-python c=4: 0 failed, 3 short outputs" in table
+    assert "- transformers (static batches): did not run" in table
+    assert "- llama-cpp-python (1 request at a time) c=1: 0 failed, 3 short outputs" in table
+    assert "llama-cpp-python (1 request at a time) c=4: 0 failed, 3 short outputs" in table
 
 
 def test_table_levels_union_and_rate_labels() -> None:
     a = {"passes": [{"level": {"max_concurrency": None, "request_rate": "inf"}, "metrics": {"output_tok_s": 1}},
                     {"level": {"max_concurrency": None, "request_rate": 2.5}, "metrics": {"output_tok_s": 2}}]}
-    assert list(bl.passes_by_level(a)) == ["rate=inf", "rate=2.5/s"]
-    t = bl.build_table({"kvseal": _result([(1, 1.0, 1.0, 1.0)]), "hf": _result([(2, 2.0, 2.0, 2.0)])})
-    assert [_cells(ln)[:2] for ln in t.splitlines()[2:]] == [["c=1", "kvseal unified"], ["c=2", "transformers"]]
+    assert list(bt.passes_by_level(a)) == ["rate=inf", "rate=2.5/s"]
+    t = bt.build_table({"kvseal": _result([(1, 1.0, 1.0, 1.0)]), "hf": _result([(2, 2.0, 2.0, 2.0)])})
+    assert [_cells(ln)[:2] for ln in t.splitlines()[2:]] == [["c=1", "kvseal unified"], ["c=2", "transformers (static batches)"]]
+
+
+def test_summary_table_has_a_row_for_every_system() -> None:
+    """Measured systems get `tok/s (TTFT / TPOT)` per level and the long prompt's TTFT; one that could not
+    start or run gets a row that says why."""
+    entries: dict[str, dict[str, Any]] = {
+        "kvseal": {"status": "ok", "result": _result([(1, 49.2, 120.0, 18.8), (8, 150.0, 1600.0, 40.0)]),
+                   "long_result": _result([(1, 0.25, 4200.0, None)])},
+        "llama-server": {"status": "ok", "result": _result([(1, 94.9, 80.0, 7.9)], failed=1),
+                         "long_result": _result([(1, 0.1, 7500.0, None)]), "long_note": "its own server (-np 1)"},
+        "vllm": {"status": "failed", "reason": "exited with 1 while starting: RuntimeError: no AVX512"},
+        "hf": {"status": "unavailable", "reason": "transformers is not installed"},
+    }
+    lines = bt.summary_table(entries, 2000).splitlines()
+    assert _cells(lines[0]) == ["system", "c=1 tok/s (TTFT / TPOT ms)", "c=8 tok/s (TTFT / TPOT ms)",
+                                "2,000-token prompt TTFT", "note"]
+    rows = {_cells(ln)[0]: _cells(ln)[1:] for ln in lines[2:]}
+    assert rows["kvseal unified"] == ["49.2 (120 / 18.8)", "150.0 (1,600 / 40.0)", "4.20 s", ""]
+    assert rows["llama.cpp llama-server -cb"] == [
+        "94.9 (80.0 / 7.9)", "—", "7.50 s", "c=1: 1 failed, 0 short outputs; long prompt on its own server (-np 1)"]
+    assert rows["vLLM CPU bf16 (prefix cache on)"] == [
+        "—", "—", "—", "failed: exited with 1 while starting: RuntimeError: no AVX512"]
+    assert rows["transformers (static batches)"][-1] == "did not run: transformers is not installed"
+    no_long = bt.summary_table({"kvseal": entries["kvseal"]}, None).splitlines()
+    assert "prompt TTFT" not in no_long[0] and len(_cells(no_long[2])) == 4
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9B45
+flags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni avx_vnni
+processor\t: 1
+model name\t: AMD EPYC 9B45
+flags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni avx_vnni
+"""
+
+
+def test_cpu_record_and_header() -> None:
+    rec = cpu_record.record(CPUINFO, 2, "AVX512", "abc123-dirty", "2025-01-02 03:04:05 UTC")
+    assert rec["cpu_model"] == "AMD EPYC 9B45" and rec["cores"] == 2
+    assert rec["isa"] == {"avx2": True, "avx512f": True, "avx512_bf16": True, "avx512_vnni": True, "avx_vnni": True,
+                          "amx_tile": False, "amx_bf16": False, "amx_int8": False}
+    assert rec["torch_cpu_capability"] == "AVX512" and rec["git_commit"] == "abc123-dirty"
+    assert cpu_record.header(rec) == (
+        "CPU: AMD EPYC 9B45, 2 cores; avx2 avx512f avx512_bf16 avx512_vnni avx_vnni no AMX; "
+        "torch capability AVX512; 2025-01-02 03:04:05 UTC; commit abc123-dirty")
+    xeon = CPUINFO.replace("avx_vnni", "avx_vnni amx_tile amx_bf16 amx_int8")
+    assert "no AMX" not in cpu_record.header(cpu_record.record(xeon, 2, "AVX512", None, "d"))
+    assert cpu_record.parse_cpuinfo("") == ("unknown", set())
+    live = cpu_record.collect()  # this machine, this checkout
+    assert live["cpu_model"] != "unknown" and set(live["isa"]) == set(cpu_record.ISA_FLAGS)
+    assert live["torch_cpu_capability"] and live["git_commit"] and live["date"]
+
+
+def _fake(code: str) -> bl.Launch:
+    return bl.Launch((sys.executable, "-c", code))
+
+
+def test_a_server_that_cannot_start_gives_a_reason(tmp_path: Path) -> None:
+    log = str(tmp_path / "s.log")
+    with pytest.raises(bl.ServerDidNotStart, match=r"cannot execute /nonexistent/llama-server: No such file"):
+        bl.start(bl.Launch(("/nonexistent/llama-server",)), 1, log, 5.0)
+    crash = "import sys; print('loading'); print('RuntimeError: needs AVX512', flush=True); sys.exit(3)"
+    with pytest.raises(bl.ServerDidNotStart) as e:
+        bl.start(_fake(crash), 1, log, 30.0)
+    assert e.value.reason == "exited with 3 while starting: RuntimeError: needs AVX512"
+    assert "loading" in e.value.log_tail
+    with pytest.raises(bl.ServerDidNotStart, match=r"^not ready after 1 s: still loading$"):
+        bl.start(_fake("import time; print('still loading', flush=True); time.sleep(60)"), 1, log, 1.0)
+
+
+def test_run_records_a_row_for_peers_that_cannot_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole runner: llama-server is not built under --peers (its row says so), "vllm" crashes at start
+    (its row gives its last line); neither stops the run, both make it exit 1, baselines.json has the CPU."""
+    real_launch = bl.launch
+
+    def fake_launch(system: str, port: int, s: Settings, workload: Any = "load") -> bl.Launch:
+        if system == "vllm":
+            return _fake("import sys; print('ValueError: no oneDNN kernel for this CPU'); sys.exit(1)")
+        return real_launch(system, port, s, workload)
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # inherited by every server, so recorded with the run
+    monkeypatch.setattr(bl, "launch", fake_launch)
+    monkeypatch.setattr(bl, "unavailable", lambda system, s: None if system == "vllm" else unavailable(system, s))
+    rc = bl.main(["--systems", "llama-server,vllm", "--peers", str(tmp_path / "peers"), "--out-dir",
+                  str(tmp_path / "out"), "--no-plot", "--max-concurrency", "1,8"])
+    assert rc == 1
+    doc = json.loads((tmp_path / "out" / "baselines.json").read_text())
+    ls, vl = doc["systems"]["llama-server"], doc["systems"]["vllm"]
+    assert ls["status"] == "unavailable" and "not built" in ls["reason"] and ls["servers"] == []
+    assert vl["status"] == "failed" and vl["reason"] == "exited with 1 while starting: ValueError: no oneDNN kernel for this CPU"
+    assert doc["machine"]["isa"].keys() == set(cpu_record.ISA_FLAGS) and doc["settings"]["slots"] == 8
+    assert doc["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    out = capsys.readouterr().out
+    assert out.startswith("CPU: ") and "did not run: not built" in out and "failed: exited with 1" in out
+    assert "2,000-token prompt TTFT" in doc["table"]
 
 
 # -- hf_server -------------------------------------------------------------------------------------------
@@ -219,7 +373,7 @@ def test_side_by_side_plot_from_a_finished_run(tmp_path) -> None:
                             "metrics": {"output_tok_s": tok_s * c, "ttft_median_ms": 100.0 * c, "tpot_median_ms": 20.0}}
                            for c in (1, 8, 32)]}
 
-    doc = {"systems": {"kvseal": {"result": result(30.0)}, "llama.cpp": {"result": result(10.0)}, "hf": {}}}
+    doc = {"systems": {"kvseal": {"result": result(30.0)}, "llama-server": {"result": result(10.0)}, "hf": {}}}
     path = tmp_path / "baselines.json"
     path.write_text(json.dumps(doc))
     assert bl.main(["--replot", str(path)]) == 0

@@ -56,6 +56,20 @@ def test_fixed_prompts_are_exact_token_ids_and_seeded() -> None:
     assert dataset.build(cfg, 5) == ps[:5]  # a smaller pass takes the front of the same list
 
 
+def test_fresh_prompts_never_resend_one() -> None:
+    warm, passes = dataset.slices([1, 8, 3], warmup=2, fresh=False)
+    assert warm == [0, 1] and passes == [range(1), range(8), range(3)]  # every pass from the front
+    warm, passes = dataset.slices([1, 8, 3], warmup=2, fresh=True)
+    assert passes == [range(1), range(1, 9), range(9, 12)] and warm == [12, 13]
+    sent = [i for r in passes for i in r] + warm
+    assert len(sent) == len(set(sent)) == 14  # no prompt twice, so no prefix-cache hit between passes
+    assert cfg_of("--fresh-prompts").fresh_prompts and not cfg_of().fresh_prompts
+    cfg = cfg_of("--input-len", "16", "--fresh-prompts")
+    ps = dataset.build(cfg, 14)
+    assert len({tuple(p.prompt) for p in ps}) == 14  # distinct token ids, not only distinct indices
+    assert dataset.build(cfg, 3) == ps[:3]
+
+
 def test_random_prompts_follow_the_range_ratio() -> None:
     cfg = cfg_of("--dataset", "random", "--input-len", "40", "--output-len", "20", "--range-ratio", "0.5")
     ps = dataset.build(cfg, 300)

@@ -33,8 +33,9 @@ async def _bench(cfg: BenchConfig) -> int:
 
     for name in ("httpx", "httpcore"):  # `kvseal` logs at INFO; a line per request would drown the bar
         logging.getLogger(name).setLevel(logging.WARNING)
+    warm_idx, pass_idx = dataset.slices([lv.num_prompts for lv in cfg.levels], cfg.warmup, cfg.fresh_prompts)
     try:
-        prompts = dataset.build(cfg, max(lv.num_prompts for lv in cfg.levels))
+        prompts = dataset.build(cfg, max([*warm_idx, *(r.stop - 1 for r in pass_idx)]) + 1)
     except (OSError, ValueError) as exc:
         return _fail(f"cannot build the dataset: {exc}")
     # every request of the largest uncapped pass may be in flight at once: the pool must not queue them
@@ -48,17 +49,17 @@ async def _bench(cfg: BenchConfig) -> int:
             return _fail(str(exc))
         print(f"kvseal bench: {model} at {cfg.base_url}/v1/{cfg.endpoint}, {cfg.dataset} dataset, "
               f"{len(cfg.levels)} pass(es)", file=sys.stderr)
-        for i in range(cfg.warmup):
-            src = prompts[i % len(prompts)]
+        for i in warm_idx:
+            src = prompts[i]
             p = dataclasses.replace(src, output_len=min(src.output_len, 16))
             path, body = request_body(cfg.endpoint, model, p)
             res = await send_one(client, path, body, RequestResult(-1, p.input_len, p.output_len),
                                  cfg.endpoint == "chat")
             if res.error is not None:
                 return _fail(f"the warm-up request failed, so the endpoint cannot be benchmarked: {res.error}")
-        for n, level in enumerate(cfg.levels, 1):
+        for n, (level, idx) in enumerate(zip(cfg.levels, pass_idx, strict=True), 1):
             label = report.level_label(dataclasses.asdict(level), cfg.sweep_key)
-            results, t0, duration = await run_pass(client, cfg.endpoint, model, level, prompts[:level.num_prompts],
+            results, t0, duration = await run_pass(client, cfg.endpoint, model, level, prompts[idx.start:idx.stop],
                                                    cfg.seed, cfg.progress, f"pass {n}/{len(cfg.levels)} {label}")
             one: dict[str, Any] = {"level": dataclasses.asdict(level),
                                    "metrics": summarize(results, duration, cfg.goodput),

@@ -38,6 +38,7 @@ class BenchConfig:
     tokenizer: str | None
     seed: int
     levels: tuple[Level, ...]  # the passes, in the order they run
+    fresh_prompts: bool  # every pass (and the warm-up) gets prompts no other one sent: no prefix-cache hits
     goodput: tuple[tuple[str, float], ...]  # (metric, limit in seconds); empty: no goodput
     timeout_s: float
     warmup: int
@@ -151,6 +152,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                          "per value, in order")
     lo.add_argument("--prompts-per-level", default=None,
                     help="requests in each pass of a sweep instead of --num-prompts: one count, or one per pass")
+    lo.add_argument("--fresh-prompts", action="store_true",
+                    help="give every pass and the warm-up prompts of their own (by default each pass resends the "
+                         "first prompts of the list, which a server with a prefix cache then answers from it)")
     lo.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
                     help="service-level limits in ms (ttft, tpot, e2e), e.g. ttft:500 tpot:100: goodput is the "
                          "requests per second that met all of them")
@@ -183,5 +187,6 @@ def config_from_args(a: argparse.Namespace, base_url: str) -> BenchConfig:
         base_url=base_url, model=a.model, endpoint=a.endpoint, dataset=a.dataset, dataset_path=a.dataset_path,
         input_len=a.input_len, output_len=a.output_len, range_ratio=a.range_ratio, tokenizer=a.tokenizer,
         seed=a.seed, levels=sweep_levels(a.request_rate, a.max_concurrency, a.num_prompts, a.prompts_per_level),
+        fresh_prompts=a.fresh_prompts,
         goodput=parse_goodput(a.goodput), timeout_s=a.timeout, warmup=a.warmup, api_key=a.api_key,
         result_json=a.result_json, plot=a.plot, save_requests=a.save_requests, progress=not a.no_progress)

@@ -106,6 +106,20 @@ def parse_jsonl(lines: Sequence[str], default_output_len: int) -> list[tuple[str
     return rows
 
 
+def slices(pass_sizes: Sequence[int], warmup: int, fresh: bool) -> tuple[list[int], list[range]]:
+    """(the warm-up's prompt indices, each pass's index range) into a list of max(ends) prompts.
+
+    By default every pass starts at prompt 0 and the warm-up resends the first prompts. `fresh`: the passes
+    take consecutive ranges and the warm-up the prompts after them, so no prompt is sent twice."""
+    if not fresh:
+        return [i % max(pass_sizes) for i in range(warmup)], [range(n) for n in pass_sizes]
+    ranges, start = [], 0
+    for n in pass_sizes:
+        ranges.append(range(start, start + n))
+        start += n
+    return list(range(start, start + warmup)), ranges
+
+
 def build(cfg: BenchConfig, n: int) -> list[Prompt]:
     """The first n prompts of the run (every pass takes its prompts from the front of this list)."""
     tokenizer = Tokenizer(cfg.tokenizer) if cfg.tokenizer else None
