@@ -115,10 +115,9 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _is_pool_flag(argv: list[str], i: int) -> bool:
-    """argv[i] is --kv-pool-tokens/--kv-pool-bytes or the value after one."""
-    flags = ("--kv-pool-tokens", "--kv-pool-bytes")
-    return argv[i] in flags or (i > 0 and argv[i - 1] in flags)
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """argv less each of `flags` and the value after it."""
+    return [x for i, x in enumerate(argv) if not (x in flags or (i > 0 and argv[i - 1] in flags))]
 
 
 def _endpoint(hostport: str) -> str:
@@ -191,14 +190,23 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return cmd_serve_unified(a)
     from kvseal.launch import Fleet
 
-    argv = engine_argv(a)
-    if a.threads is None:  # workers share the cores instead of each spinning on all of them
-        argv += ["--threads", str(max(1, (os.cpu_count() or 1) // (a.prefill + a.decode)))]
+    argv = _without(engine_argv(a), "--threads")
+    p_threads, d_threads = worker_threads(a, os.cpu_count() or 1)
     prefill_argv = argv if a.prefill_kv_pool_tokens is None else [
-        *[x for i, x in enumerate(argv) if not _is_pool_flag(argv, i)],
-        "--kv-pool-tokens", str(a.prefill_kv_pool_tokens)]
-    with Fleet(prefill_argv, argv, a.prefill, a.decode) as fleet:
+        *_without(argv, "--kv-pool-tokens", "--kv-pool-bytes"), "--kv-pool-tokens", str(a.prefill_kv_pool_tokens)]
+    with Fleet([*prefill_argv, "--threads", str(p_threads)], [*argv, "--threads", str(d_threads)],
+               a.prefill, a.decode) as fleet:
         return run_router(a, fleet.prefill_endpoints, fleet.decode_endpoints)
+
+
+def worker_threads(a: argparse.Namespace, cores: int) -> tuple[int, int]:
+    """(threads per prefill worker, threads per decode worker) for `kvseal serve` on `cores` cores.
+
+    --prefill-threads / --decode-threads win, then --threads for both; by default the cores are split evenly
+    among the workers (each at least one), so no two workers spin on the same core."""
+    even = max(1, cores // (a.prefill + a.decode))
+    both = a.threads if a.threads is not None else even
+    return (a.prefill_threads or both, a.decode_threads or both)
 
 
 def cmd_serve_unified(a: argparse.Namespace) -> int:
@@ -247,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode", type=int, default=1, metavar="M", help="decode worker processes")
     serve.add_argument("--prefill-kv-pool-tokens", type=int, default=None,
                        help="a different KV pool size for the prefill workers (default: --kv-pool-tokens)")
+    serve.add_argument("--prefill-threads", type=int, default=None,
+                       help="CPU threads per prefill worker (default: --threads, else the cores split evenly "
+                            "among the workers)")
+    serve.add_argument("--decode-threads", type=int, default=None,
+                       help="CPU threads per decode worker (default: as --prefill-threads)")
     serve.set_defaults(func=cmd_serve)
 
     for role in ("prefill", "decode"):

@@ -3,7 +3,10 @@
     python -m kvseal.bench.limits [--threads 2]
 
 Streaming read bandwidth (sum of a 512 MB fp32 tensor), fp32 matrix-vector products over ~530 MB of weights
-in SmolLM2-135M's layer shape (what one decode stream reads per step), and fp32 / bf16 GEMM rate. Medians of 7.
+in SmolLM2-135M's layer shape (what one decode stream reads per step), fp32 / bf16 GEMM rate, and every layer
+matrix of the bundled model multiplied by M rows three ways: the fast arithmetic's int8 products on the Q4_1
+blocks, torch's bf16 GEMM (oneDNN; AMX or AVX-512-BF16 where the CPU has them) on a bf16 copy, and fp32.
+Medians of 7.
 """
 
 from __future__ import annotations
@@ -46,7 +49,32 @@ def main(argv: list[str] | None = None) -> int:
         m = torch.randn(2048, 2048).to(dtype)
         t = median_s(lambda: m @ m, n=3)  # noqa: B023 - used at once
         print(f"{str(dtype).removeprefix('torch.')} GEMM 2048^3: {2 * 2048**3 / t / 1e9:.1f} GFLOP/s")
+    model_products()
     return 0
+
+
+def model_products(rows: tuple[int, ...] = (1, 8, 32, 128, 512)) -> None:
+    """All 210 layer matrices of the bundled model times (M, K) rows: int8 (fast arithmetic) vs bf16 vs fp32."""
+    from kvseal.kernels.ops import QWeight, qisa, qlinear
+    from kvseal.model.loader import load_checkpoint
+
+    ck = load_checkpoint(None)
+    names = [n for n in ck.packed if ".layers." in n]
+    q = [QWeight.pack(ck.packed[n]) for n in names]
+    dense = [ck.packed[n].dequantize() for n in names]
+    bf = [w.to(torch.bfloat16) for w in dense]
+    macs = sum(w.numel() for w in dense)
+    print(f"every layer matrix of the bundled model ({macs / 1e6:.0f} M weights; int8 reads "
+          f"{sum(w.nbytes for w in q) / 1e6:.0f} MB, bf16 {macs * 2 / 1e6:.0f} MB, fp32 {macs * 4 / 1e6:.0f} MB) "
+          f"times M rows, G multiply-adds/s (int8 on {qisa()}):")
+    for m in rows:
+        xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in dense}}
+        xb = {k: x.to(torch.bfloat16) for k, x in xs.items()}
+        ti = median_s(lambda: [qlinear(xs[w.k], w) for w in q])  # noqa: B023 - used at once
+        tb = median_s(lambda: [torch.nn.functional.linear(xb[w.shape[1]], w) for w in bf])  # noqa: B023
+        tf = median_s(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in dense])  # noqa: B023
+        print(f"  M={m:4d}: int8 {m * macs / ti / 1e9:6.1f}  bf16 {m * macs / tb / 1e9:6.1f}  "
+              f"fp32 {m * macs / tf / 1e9:6.1f}   (int8 / bf16 = {tb / ti:.2f}x)")
 
 
 if __name__ == "__main__":

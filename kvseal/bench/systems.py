@@ -23,6 +23,7 @@ Workload = Literal["load", "long"]
 SYSTEMS: dict[str, str] = {
     "kvseal": "kvseal unified",
     "kvseal-disagg": "kvseal disagg 1P+1D",
+    "kvseal-exact": "kvseal unified --arithmetic exact",
     "kvseal-torch": "kvseal unified --kernels torch",
     "llama-server": "llama.cpp llama-server -cb",
     "vllm": "vLLM CPU bf16 (prefix cache on)",
@@ -33,6 +34,7 @@ SYSTEMS: dict[str, str] = {
 # runs only when named.
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "llama-cpp-python")
 KVSEAL_MODES = {"kvseal": ("--unified",), "kvseal-disagg": ("--prefill", "1", "--decode", "1"),
+                "kvseal-exact": ("--unified", "--arithmetic", "exact"),
                 "kvseal-torch": ("--unified", "--kernels", "torch")}
 
 

@@ -30,6 +30,7 @@ from kvseal.errors import (
 )
 from kvseal.kernels.arithmetic import resolve_arithmetic
 from kvseal.kernels.build import resolve as resolve_kernels
+from kvseal.kernels.memory import keep_freed_pages
 from kvseal.kv.allocator import PageAllocator
 from kvseal.kv.pool import KVPool, pool_num_pages
 from kvseal.lifecycle import FinishReason, State
@@ -52,6 +53,7 @@ def resolve_device(name: str) -> torch.device:
 class Engine:
     def __init__(self, cfg: EngineConfig, ckpt: Checkpoint | None = None, role: str = "unified") -> None:
         self.cfg, self.role = cfg, role
+        keep_freed_pages()
         ckpt = ckpt if ckpt is not None else load_checkpoint(cfg.model.path)
         self.ckpt_name, self.fingerprint, self.tokenizer = ckpt.name, ckpt.fingerprint, ckpt.tokenizer
         self.arch = arch = ckpt.arch

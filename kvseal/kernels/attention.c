@@ -12,10 +12,12 @@
  * 0..pos0+i (causal). Keys are visited in blocks of 16 positions from position 0, and every row runs the same
  * float operations in the same order whatever its span's length, its chunk boundaries, the rows beside it or
  * the instruction set (plain C, fmaf and no reassociation: -std=c11 turns fp contraction off):
- *   per block: s_t = (q[0] k_t[0] + q[1] k_t[1] + ... + q[D-1] k_t[D-1], one fused chain in d order) * scale;
- *              m' = max(m, max of the row's valid s_t); a = exp(m - m'); p_t = exp(s_t - m') for valid t, else 0;
- *              l = l * a + sum16(p) (a fixed tree: lane i + lane i+8, then +4, +2, +1);
- *              o = o * a + p_0 v_0 + p_1 v_1 + ... (valid t, in order)
+ *   per group of 64 positions (4 blocks of 16):
+ *     s_t = (q[0] k_t[0] + q[1] k_t[1] + ... + q[D-1] k_t[D-1], one fused chain in d order) * scale;
+ *     m' = max(m, max of the row's valid s_t); a = exp(m - m'); p_t = exp(s_t - m') for valid t, else 0;
+ *     l = l * a + ((sum16(p, block 0) + sum16(block 1)) + (sum16(block 2) + sum16(block 3))), where sum16 is
+ *         a fixed tree (lane i + lane i+8, then +4, +2, +1) and a block the row does not reach adds 0;
+ *     o = o * a, then o += p_t v_t for each valid t, blocks in order, t in order
  *   out = o / l
  * so a prompt's attention does not depend on how it was chunked or whether a prefix came from the cache, nor
  * a decode token's on the batch (the batch invariance of the fast arithmetic). A work item is (span, kv head,
@@ -28,7 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KB 16   /* key positions per block */
+#define KB 16   /* key positions per block (one vector of scores) */
+#define GB 4    /* blocks per online-softmax step (64 positions) */
 #define ROWS 16 /* rows of a span per work item */
 #define MAXD 256
 
@@ -58,33 +61,9 @@ typedef struct {
     float *out;
 } attn_args;
 
-/* o = o * alpha + p_0 v_0 + ... + p_15 v_15 for NQ queries whose rows see the whole block: each value row
-   (4 vectors of 16 lanes at c) is loaded once for all of them */
-#define PV_FULL(P, NQ)                                                                                          \
-    do {                                                                                                        \
-        P##_v x[NQ][4];                                                                                         \
-        for (int jj = 0; jj < NQ; jj++)                                                                         \
-            for (int u = 0; u < 4; u++)                                                                         \
-                x[jj][u] = P##_mul(P##_load(acc + (j0 + jj) * D + 16 * (c + u)), P##_set1(alpha[jj]));          \
-        for (int t = 0; t < KB; t++) {                                                                          \
-            P##_v vv[4];                                                                                        \
-            for (int u = 0; u < 4; u++) vv[u] = P##_loadkv(a->vc, a->bf16, vbase[b] + t * KVH * D + 16 * (c + u)); \
-            for (int jj = 0; jj < NQ; jj++) {                                                                   \
-                const P##_v pt = P##_set1(pw[jj][t]);                                                           \
-                for (int u = 0; u < 4; u++) x[jj][u] = P##_fma(pt, vv[u], x[jj][u]);                            \
-            }                                                                                                   \
-        }                                                                                                       \
-        for (int jj = 0; jj < NQ; jj++)                                                                         \
-            for (int u = 0; u < 4; u++) P##_store(acc + (j0 + jj) * D + 16 * (c + u), x[jj][u]);                \
-    } while (0)
-
-/* The tile body, instantiated once per instruction set over a 16-lane float vector type P##_v.
-   Rows [i0, i1) of a span (row r0 + i at position pos0 + i), kv head g, pages `table`. Keys are read in place
-   from the key pool's (KVH, D, S) pages: the 16 keys of a block at input d are 16 contiguous values. Values
-   are rows of the value pool's (S, KVH, D) pages. acc: (ROWS * G, D) scratch for the running numerators. */
-/* Scores of NJ query vectors against NB blocks of 16 keys: each s_t is one fused chain over d in order (the
-   canonical order); NJ x NB independent chains keep the fma units busy, and each broadcast of q[d] serves NB
-   blocks, each load of 16 keys NJ queries. */
+/* Scores of NJ query vectors against NB blocks of 16 keys (blocks b0 .. b0 + NB - 1 of the group): each s_t is
+   one fused chain over d in order (the canonical order); NJ x NB independent chains keep the fma units busy,
+   each broadcast of q[d] serves NB blocks and each load of 16 keys NJ queries. */
 #define SCORE(P, NJ, NB)                                                                                        \
     do {                                                                                                        \
         P##_v c[NJ][NB];                                                                                        \
@@ -92,38 +71,39 @@ typedef struct {
             for (int b = 0; b < NB; b++) c[jj][b] = P##_zero();                                                 \
         for (int64_t d = 0; d < D; d++) {                                                                       \
             P##_v kd[NB];                                                                                       \
-            for (int b = 0; b < NB; b++) kd[b] = P##_loadkv(a->kc, a->bf16, kbase[b] + d * S);                  \
+            for (int b = 0; b < NB; b++) kd[b] = P##_loadkv(a->kc, a->bf16, kbase[b0 + b] + d * S);             \
             for (int jj = 0; jj < NJ; jj++) {                                                                   \
                 const P##_v qd = P##_set1(qv[j0 + jj][d]);                                                      \
                 for (int b = 0; b < NB; b++) c[jj][b] = P##_fma(qd, kd[b], c[jj][b]);                           \
             }                                                                                                   \
         }                                                                                                       \
         for (int jj = 0; jj < NJ; jj++)                                                                         \
-            for (int b = 0; b < NB; b++) sv[jj][b] = c[jj][b];                                                  \
+            for (int b = 0; b < NB; b++) sv[jj][b0 + b] = c[jj][b];                                             \
     } while (0)
 #define SCORE_NB(P, NJ)                                                                                         \
     do {                                                                                                        \
-        switch (nb) {                                                                                           \
-            case 1: SCORE(P, NJ, 1); break;                                                                     \
-            case 2: SCORE(P, NJ, 2); break;                                                                     \
-            case 3: SCORE(P, NJ, (NBMAX_##P > 2 ? 3 : 2)); break;                                               \
-            default: SCORE(P, NJ, NBMAX_##P); break;                                                            \
+        for (int64_t b0 = 0; b0 < ng; b0 += NB) {                                                               \
+            switch (ng - b0 < NB ? ng - b0 : NB) {                                                              \
+                case 1: SCORE(P, NJ, 1); break;                                                                 \
+                case 2: SCORE(P, NJ, 2); break;                                                                 \
+                case 3: SCORE(P, NJ, (NB > 2 ? 3 : 2)); break;                                                  \
+                default: SCORE(P, NJ, NB); break;                                                               \
+            }                                                                                                   \
         }                                                                                                       \
     } while (0)
 
-/* o = o * alpha + p_0 v_0 + ... + p_15 v_15 for NQ queries whose rows see the whole block: each value row
-   (4 vectors of 16 lanes at c) is loaded once for all of them */
+/* o = o * alpha + p_0 v_0 + ... + p_15 v_15 over block b for NQ queries whose rows see all of it: each value
+   row (4 vectors of 16 lanes at c) is loaded once for all of them */
 #define PV_FULL(P, NQ)                                                                                          \
     do {                                                                                                        \
         P##_v x[NQ][4];                                                                                         \
         for (int jj = 0; jj < NQ; jj++)                                                                         \
-            for (int u = 0; u < 4; u++)                                                                         \
-                x[jj][u] = P##_mul(P##_load(acc + (j0 + jj) * D + 16 * (c + u)), P##_set1(alpha[jj]));          \
+            for (int u = 0; u < 4; u++) x[jj][u] = P##_load(acc + (j0 + jj) * D + 16 * (c + u));                 \
         for (int t = 0; t < KB; t++) {                                                                          \
             P##_v vv[4];                                                                                        \
             for (int u = 0; u < 4; u++) vv[u] = P##_loadkv(a->vc, a->bf16, vbase[b] + t * KVH * D + 16 * (c + u)); \
             for (int jj = 0; jj < NQ; jj++) {                                                                   \
-                const P##_v pt = P##_set1(pw[jj][t]);                                                           \
+                const P##_v pt = P##_set1(pw[jj][b][t]);                                                        \
                 for (int u = 0; u < 4; u++) x[jj][u] = P##_fma(pt, vv[u], x[jj][u]);                            \
             }                                                                                                   \
         }                                                                                                       \
@@ -135,7 +115,8 @@ typedef struct {
    queries and NBMAX_##P key blocks per scoring pass (register budget; the results do not depend on them).
    Rows [i0, i1) of a span (row r0 + i at position pos0 + i), kv head g, pages `table`. Keys are read in place
    from the key pool's (KVH, D, S) pages: the 16 keys of a block at input d are 16 contiguous values. Values
-   are rows of the value pool's (S, KVH, D) pages. acc: (ROWS * G, D) scratch for the running numerators. */
+   are rows of the value pool's (S, KVH, D) pages. acc: (ROWS * G, D) scratch for the running numerators.
+   The online softmax steps once per group of GB blocks (64 positions), the canonical grouping. */
 #define DEFINE_ATTEND(P)                                                                                        \
     static void P##_attend_tile(const attn_args *a, int64_t r0, int64_t pos0, int64_t i0, int64_t i1,          \
                                 int64_t g, const int64_t *table, float *acc) {                                  \
@@ -154,45 +135,59 @@ typedef struct {
             memset(acc + j * D, 0, sizeof(float) * (size_t)D);                                                  \
         }                                                                                                       \
         const int64_t pmax = pos0 + i1 - 1;                                                                     \
-        for (int64_t p0 = 0; p0 <= pmax; p0 += KB * NB) {                                                       \
-            const int64_t left = (pmax - p0) / KB + 1, nb = left < NB ? left : NB;                              \
-            int64_t kbase[NB], vbase[NB];                                                                       \
-            for (int64_t b = 0; b < nb; b++) {                                                                  \
+        for (int64_t p0 = 0; p0 <= pmax; p0 += KB * GB) {                                                       \
+            const int64_t left = (pmax - p0) / KB + 1, ng = left < GB ? left : GB;                              \
+            int64_t kbase[GB], vbase[GB];                                                                       \
+            for (int64_t b = 0; b < ng; b++) {                                                                  \
                 const int64_t pb = p0 + b * KB, page = table[pb / S], off = pb % S;                             \
                 kbase[b] = ((page * KVH + g) * D) * S + off; /* element index of k[d=0][t=0] */                 \
                 vbase[b] = ((page * S + off) * KVH + g) * D; /* element index of v[t=0][0] */                   \
             }                                                                                                   \
             int64_t j0 = 0;                                                                                     \
-            while (j0 < nq && qpos[j0] < p0) j0++; /* rows ascend: earlier rows see none of these blocks */    \
+            while (j0 < nq && qpos[j0] < p0) j0++; /* rows ascend: earlier rows see none of this group */      \
             for (; j0 < nq; j0 += JB) {                                                                         \
                 const int64_t nj = nq - j0 < JB ? nq - j0 : JB;                                                 \
-                P##_v sv[JB][NB];                                                                               \
+                P##_v sv[JB][GB];                                                                               \
                 switch (nj) { /* constant counts keep the chains in registers */                                \
                     case 1: SCORE_NB(P, 1); break;                                                              \
                     case 2: SCORE_NB(P, 2); break;                                                              \
                     case 3: SCORE_NB(P, (JB > 2 ? 3 : 2)); break;                                               \
                     default: SCORE_NB(P, JB); break;                                                            \
                 }                                                                                               \
-                for (int64_t b = 0; b < nb; b++) {                                                              \
-                    const int64_t pb = p0 + b * KB;                                                             \
-                    float pw[JB][KB], alpha[JB];                                                                \
-                    int64_t valid[JB];                                                                          \
-                    for (int64_t jj = 0; jj < nj; jj++) {                                                       \
-                        const int64_t j = j0 + jj, v = qpos[j] - pb + 1;                                        \
-                        valid[jj] = v < 0 ? 0 : v < KB ? v : KB;                                                \
-                        if (!valid[jj]) continue; /* this row does not see block b */                          \
-                        P##_v sc = P##_mul(sv[jj][b], P##_set1(a->scale));                                      \
-                        const float mx = P##_hmax(P##_blend_neginf(sc, valid[jj]));                             \
-                        const float mn = m[j] > mx ? m[j] : mx;                                                 \
-                        alpha[jj] = m[j] == -INFINITY ? 0.0f : exp_poly(m[j] - mn);                             \
-                        P##_v pv = P##_keep(P##_exp(P##_sub(sc, P##_set1(mn))), valid[jj]);                      \
-                        P##_store(pw[jj], pv);                                                                  \
-                        l[j] = l[j] * alpha[jj] + P##_hsum(pv);                                                 \
-                        m[j] = mn;                                                                              \
+                float pw[JB][GB][KB];                                                                           \
+                int64_t valid[JB][GB];                                                                          \
+                for (int64_t jj = 0; jj < nj; jj++) { /* one online-softmax step over the group */             \
+                    const int64_t j = j0 + jj;                                                                  \
+                    float mx = -INFINITY;                                                                       \
+                    P##_v sc[GB];                                                                               \
+                    for (int64_t b = 0; b < GB; b++) {                                                          \
+                        const int64_t v = b < ng ? qpos[j] - (p0 + b * KB) + 1 : 0;                             \
+                        valid[jj][b] = v < 0 ? 0 : v < KB ? v : KB;                                             \
+                        if (!valid[jj][b]) continue;                                                            \
+                        sc[b] = P##_mul(sv[jj][b], P##_set1(a->scale));                                         \
+                        const float bm = P##_hmax(P##_blend_neginf(sc[b], valid[jj][b]));                       \
+                        mx = bm > mx ? bm : mx;                                                                 \
                     }                                                                                           \
-                    /* o = o * alpha + p_0 v_0 + p_1 v_1 + ... over the row's valid t, 4 vectors of 16 lanes */ \
+                    const float mn = m[j] > mx ? m[j] : mx;                                                     \
+                    const float alpha = m[j] == -INFINITY ? 0.0f : exp_poly(m[j] - mn);                         \
+                    float part[GB];                                                                             \
+                    for (int64_t b = 0; b < GB; b++) {                                                          \
+                        part[b] = 0.0f;                                                                         \
+                        if (!valid[jj][b]) continue;                                                            \
+                        P##_v pv = P##_keep(P##_exp(P##_sub(sc[b], P##_set1(mn))), valid[jj][b]);              \
+                        P##_store(pw[jj][b], pv);                                                               \
+                        part[b] = P##_hsum(pv);                                                                 \
+                    }                                                                                           \
+                    l[j] = l[j] * alpha + ((part[0] + part[1]) + (part[2] + part[3]));                          \
+                    m[j] = mn;                                                                                  \
+                    float *oj = acc + j * D;                                                                    \
+                    const P##_v va = P##_set1(alpha);                                                           \
+                    for (int64_t c = 0; c < nc; c++) P##_store(oj + 16 * c, P##_mul(P##_load(oj + 16 * c), va)); \
+                }                                                                                               \
+                /* o += p_0 v_0 + p_1 v_1 + ... over each block's valid t, blocks in order */                   \
+                for (int64_t b = 0; b < ng; b++) {                                                              \
                     int64_t full = 0;                                                                           \
-                    while (full < nj && valid[full] == KB) full++;                                              \
+                    while (full < nj && valid[full][b] == KB) full++;                                           \
                     for (int64_t c = 0; c < nc; c += 4) {                                                       \
                         const int64_t n4 = nc - c < 4 ? nc - c : 4;                                             \
                         if (full == nj && n4 == 4) { /* the common case: whole blocks, no conditions */         \
@@ -205,12 +200,12 @@ typedef struct {
                             continue;                                                                           \
                         }                                                                                       \
                         for (int64_t jj = 0; jj < nj; jj++) { /* a diagonal block or a short tail: one by one */ \
-                            if (!valid[jj]) continue;                                                           \
+                            if (!valid[jj][b]) continue;                                                        \
                             float *oj = acc + (j0 + jj) * D + 16 * c;                                           \
                             P##_v x[4];                                                                         \
-                            for (int64_t u = 0; u < n4; u++) x[u] = P##_mul(P##_load(oj + 16 * u), P##_set1(alpha[jj])); \
-                            for (int64_t t = 0; t < valid[jj]; t++) {                                           \
-                                const P##_v pt = P##_set1(pw[jj][t]);                                           \
+                            for (int64_t u = 0; u < n4; u++) x[u] = P##_load(oj + 16 * u);                      \
+                            for (int64_t t = 0; t < valid[jj][b]; t++) {                                        \
+                                const P##_v pt = P##_set1(pw[jj][b][t]);                                        \
                                 const int64_t vr = vbase[b] + t * KVH * D + 16 * c;                             \
                                 for (int64_t u = 0; u < n4; u++)                                                \
                                     x[u] = P##_fma(pt, P##_loadkv(a->vc, a->bf16, vr + 16 * u), x[u]);          \

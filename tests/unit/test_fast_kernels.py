@@ -135,7 +135,7 @@ def test_every_instruction_set_gives_the_same_bits() -> None:
 
 # -- attention ----------------------------------------------------------------------------------------------
 
-H, KVH, D, S, P = 6, 2, 32, 16, 64
+H, KVH, D, S, P = 6, 2, 64, 16, 64  # D = 64: four vectors per row, the whole-block path runs
 
 
 def _pools(seed: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
