@@ -1,11 +1,23 @@
-"""ASGI middleware: request bodies over the limit get 413 before any handler parses them."""
+"""ASGI middleware: request bodies over the limit get 413 before any handler parses them.
+
+Common clients (httpx, the openai client, urllib, requests) send the whole body before they read a response. If
+the server answered and closed while such a client was still sending, the client would see a connection reset,
+not the 413. So the rest of an oversized body is read and dropped first (up to DRAIN_BYTES or DRAIN_SECONDS,
+whichever ends first; past that the connection is closed, which only a client sending far more than the limit
+sees), and the 413 carries `connection: close`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+DRAIN_BYTES = 256 * 2**20
+DRAIN_SECONDS = 30.0
 
 
 class _TooLarge(BaseException):  # BaseException: FastAPI turns Exceptions raised while reading a body into a 400
@@ -23,6 +35,7 @@ class BodyLimit:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _drain(receive)
             await self._reject(send)
             return
         seen = 0
@@ -47,6 +60,7 @@ class BodyLimit:
             await self.app(scope, limited_receive, tracking_send)
         except _TooLarge:
             if not started:
+                await _drain(receive)
                 await self._reject(send)
 
     async def _reject(self, send: Send) -> None:
@@ -56,5 +70,23 @@ class BodyLimit:
         data = json.dumps(body).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(data)).encode())]})
+                                (b"content-length", str(len(data)).encode()), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": data})
+
+
+async def _drain(receive: Receive) -> None:
+    """Read and drop the rest of the request body, within DRAIN_BYTES and DRAIN_SECONDS."""
+    seen, deadline = 0, time.monotonic() + DRAIN_SECONDS
+    while seen < DRAIN_BYTES:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            msg = await asyncio.wait_for(receive(), left)
+        except TimeoutError:
+            return
+        if msg["type"] != "http.request":  # http.disconnect
+            return
+        seen += len(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return

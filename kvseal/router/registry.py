@@ -40,13 +40,14 @@ def check_fleet(infos: list[tuple[str, dict[str, Any]]], window: int) -> None:
     """Raise CapacityMismatch unless every worker can hold `window` tokens and all agree on the layout."""
     ref_name, ref = infos[0]
     for name, info in infos:
-        for key in _MUST_MATCH:
-            if info[key] != ref[key]:
-                raise CapacityMismatch(
-                    f"{name} has {key}={info[key]!r} but {ref_name} has {key}={ref[key]!r}: KV computed by one "
-                    f"cannot be used by the other. Fix: start every worker with the same model, --page-size, "
-                    f"--dtype, --kv-dtype, --kernels and --arithmetic (on the same kind of CPU: the fast arithmetic "
-                    f"names the instruction set it picked).")
+        differ = [key for key in _MUST_MATCH if info[key] != ref[key]]
+        if differ:
+            theirs = ", ".join(f"{key}={info[key]!r}" for key in differ)
+            ours = ", ".join(f"{key}={ref[key]!r}" for key in differ)
+            raise CapacityMismatch(
+                f"{name} has {theirs} but {ref_name} has {ours}: KV computed by one cannot be used by the "
+                f"other. Fix: start every worker with the same model, --page-size, --dtype, --kv-dtype, --kernels "
+                f"and --arithmetic.")
         pool = int(info["pool_tokens"])
         if pool < window:
             raise CapacityMismatch(

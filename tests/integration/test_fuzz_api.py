@@ -499,3 +499,30 @@ def test_still_serves_correctly_after_fuzzing(http: httpx.Client) -> None:
     check_stream(r.text, False, 4, True)
     info = http.get("/info").json()
     assert info["free_pages"] == info["pool_pages"] and info["running"] == info["waiting"] == 0, info
+
+
+@pytest.mark.parametrize("client", ["httpx", "openai", "urllib"])
+def test_a_20_mb_body_reaches_common_clients_as_a_413(server: Server, client: str) -> None:
+    """A client still sending when the server decides gets the 413, not a connection reset (issue 10)."""
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    filler = "word " * (4 * 2**20)  # 20 MB of prompt
+    if client == "httpx":
+        r = httpx.post(server.url + COMPLETIONS, json={**base_body(COMPLETIONS), "prompt": filler}, timeout=120)
+        status, code = r.status_code, r.json()["error"]["code"]
+    elif client == "openai":
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(model=MODEL, prompt=filler, max_tokens=1)
+        status, code = e.value.status_code, e.value.code
+    else:
+        req = urllib.request.Request(server.url + COMPLETIONS, method="POST",
+                                     data=json.dumps({**base_body(COMPLETIONS), "prompt": filler}).encode(),
+                                     headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as h:
+            urllib.request.urlopen(req, timeout=120)
+        status, code = h.value.code, json.loads(h.value.read())["error"]["code"]
+    assert (status, code) == (413, "payload_too_large")
