@@ -1,6 +1,7 @@
 """`kvseal audit` catches the 2026 incident: against kvseal with the test-only incident fault (placeholder on
 reject, no verification, no scrub, capacity only warned about) it fails; against the normal server it passes.
-Both on the real model, disaggregated, with a prefill pool smaller than the served window."""
+Both on the real model, disaggregated, with a prefill pool smaller than the served window. The normal server
+passes with --strict: greedy answers under load equal the answers alone (batch invariance)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ WINDOW = "1024"
 FLEET = ["--max-model-len", WINDOW, "--kv-pool-tokens", WINDOW, "--wait-timeout", "600"]
 
 
-def _audit(url: str, report: Path) -> tuple[int, dict]:
-    r = subprocess.run([sys.executable, "-m", "kvseal", "audit", url, "--requests", "40", "--concurrency", "4",
+def _audit(url: str, report: Path, strict: bool = False) -> tuple[int, dict]:
+    r = subprocess.run([sys.executable, "-m", "kvseal", "audit", url, *(["--strict"] if strict else []),
+                        "--requests", "40", "--concurrency", "4",
                         "--over-window", "4", "--consistency-prompts", "4", "--max-tokens", "12", "--seed", "7",
                         "--report", str(report), "--timeout", "300"],
                        capture_output=True, text=True, timeout=1200, check=False)
@@ -53,7 +55,9 @@ def test_audit_fails_the_incident_and_passes_kvseal(tmp_path: Path) -> None:
     good = Server(FLEET)
     try:
         good.ready(300)
-        rc_good, rep_good = _audit(good.url, tmp_path / "good.json")
+        # --strict: a greedy prompt must answer the same under load as alone (the default arithmetic is batch
+        # invariant), on top of no leak and every over-window prompt refused
+        rc_good, rep_good = _audit(good.url, tmp_path / "good.json", strict=True)
     finally:
         good.stop()
     assert rc_good == 0, json.dumps(rep_good.get("violations", rep_good))[:3000]
