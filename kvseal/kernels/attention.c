@@ -341,10 +341,10 @@ DEFINE_ATTEND(y)
 
 typedef void (*attend_fn)(const attn_args *, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *, float *);
 
-/* spans: nspans x (row0, n_rows, pos0, table_offset, n_pages) int64; tables: the page tables, concatenated */
-int kvs_paged_attention(const float *q, int64_t T, int64_t H, int64_t KVH, int64_t D, const void *kc,
-                        const void *vc, int kv_bf16, int64_t P, int64_t S, const int64_t *spans, int64_t nspans,
-                        const int64_t *tables, int64_t ntables, float scale, float *out) {
+/* spans: nspans x (row0, n_rows, pos0, table_offset, n_pages) int64; tables: the page tables, concatenated.
+   The work items (span, tile of ROWS rows, kv head), or a negative code when an argument is invalid. */
+static int64_t attn_items(int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t P, int64_t S, const int64_t *spans,
+                          int64_t nspans, const int64_t *tables, int64_t ntables) {
     if (D % 16 || D > MAXD || KVH <= 0 || H % KVH || H / KVH > 64 || S <= 0 || S % KB || T <= 0) return -1;
     int64_t items = 0;
     for (int64_t s = 0; s < nspans; s++) {
@@ -356,11 +356,25 @@ int kvs_paged_attention(const float *q, int64_t T, int64_t H, int64_t KVH, int64
             if (tables[off + i] < 0 || tables[off + i] >= P) return -3;
         items += (n + ROWS - 1) / ROWS * KVH;
     }
+    return items;
+}
+
+static attend_fn chosen_attend(void) {
+    static attend_fn fn = NULL;
+    if (!fn) { /* KVSEAL_QISA=1 or 2 (tests) runs the 256-bit body on a CPU with AVX-512: the results are the same */
+        const char *force = getenv("KVSEAL_QISA");
+        fn = __builtin_cpu_supports("avx512f") && !(force && *force && atoi(force) < 3) ? z_attend_tile
+                                                                                         : y_attend_tile;
+    }
+    return fn;
+}
+
+/* The work itself, for arguments attn_items() accepted (forward.c checks a step's spans once, not per layer). */
+int kvs_paged_attention_run(const float *q, int64_t H, int64_t KVH, int64_t D, const void *kc, const void *vc,
+                            int kv_bf16, int64_t S, const int64_t *spans, int64_t nspans, const int64_t *tables,
+                            int64_t items, float scale, float *out) {
     const attn_args a = {q, kc, vc, kv_bf16, H, KVH, D, S, scale, out};
-    /* KVSEAL_QISA=1 or 2 (tests) runs the 256-bit body on a CPU with AVX-512: the results are the same */
-    const char *force = getenv("KVSEAL_QISA");
-    const attend_fn attend = __builtin_cpu_supports("avx512f") && !(force && *force && atoi(force) < 3)
-                                 ? z_attend_tile : y_attend_tile;
+    const attend_fn attend = chosen_attend();
     const int64_t G = H / KVH;
     int failed = 0;
 #pragma omp parallel
@@ -386,6 +400,19 @@ int kvs_paged_attention(const float *q, int64_t T, int64_t H, int64_t KVH, int64
         free(buf);
     }
     return failed ? -4 : 0;
+}
+
+int64_t kvs_paged_attention_items(int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t P, int64_t S,
+                                  const int64_t *spans, int64_t nspans, const int64_t *tables, int64_t ntables) {
+    return attn_items(T, H, KVH, D, P, S, spans, nspans, tables, ntables);
+}
+
+int kvs_paged_attention(const float *q, int64_t T, int64_t H, int64_t KVH, int64_t D, const void *kc,
+                        const void *vc, int kv_bf16, int64_t P, int64_t S, const int64_t *spans, int64_t nspans,
+                        const int64_t *tables, int64_t ntables, float scale, float *out) {
+    const int64_t items = attn_items(T, H, KVH, D, P, S, spans, nspans, tables, ntables);
+    if (items < 0) return (int)items;
+    return kvs_paged_attention_run(q, H, KVH, D, kc, vc, kv_bf16, S, spans, nspans, tables, items, scale, out);
 }
 
 /* k, v (T, KVH, D) float32 -> slot slots[t] (= page * S + offset) of the pools, kt key layout (P, KVH, D, S) and

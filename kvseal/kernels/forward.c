@@ -5,8 +5,8 @@
  *                    RMSNorm, q|k|v (int8 x blocks), RoPE, k/v written at slots[t], paged attention through each
  *                    span's page table, o, residual, RMSNorm, gate|up, SwiGLU, down, residual.
  * The same functions in the same order as the op-by-op Python path (LlamaModel._layers_fast), so the result is
- * bit for bit the same. Every slot, position, span, page id and table range is checked before the first write
- * (-3 / -2 otherwise): a bad table fails the call with the pools untouched.
+ * bit for bit the same. Every slot, position, span, page id and table range is checked once, before the first
+ * write (-3 / -2 otherwise): a bad table fails the call with the pools untouched.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,12 +23,16 @@ int kvs_rmsnorm(const float *x, const float *w, int64_t T, int64_t E, float eps,
 int kvs_rope(float *x, int64_t T, int64_t ld, int64_t NH, int64_t D, const float *cos, const float *sin,
              const int64_t *pos, int64_t max_pos);
 int kvs_silu_mul(const float *gu, int64_t T, int64_t I, float *out);
-int kvs_qlinear(int type, const uint8_t *packed, int64_t N, int64_t K, const float *x, int64_t M, float *y);
+int64_t kvs_qscratch_bytes(int64_t M, int64_t K);
+int kvs_qlinear_into(int type, const uint8_t *packed, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                     void *scratch);
 int kvs_write_kv(const float *k, const float *v, int64_t T, int64_t KVH, int64_t D, void *kc, void *vc, int bf16,
                  int64_t P, int64_t S, const int64_t *slots);
-int kvs_paged_attention(const float *q, int64_t T, int64_t H, int64_t KVH, int64_t D, const void *kc,
-                        const void *vc, int kv_bf16, int64_t P, int64_t S, const int64_t *spans, int64_t nspans,
-                        const int64_t *tables, int64_t ntables, float scale, float *out);
+int64_t kvs_paged_attention_items(int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t P, int64_t S,
+                                  const int64_t *spans, int64_t nspans, const int64_t *tables, int64_t ntables);
+int kvs_paged_attention_run(const float *q, int64_t H, int64_t KVH, int64_t D, const void *kc, const void *vc,
+                            int kv_bf16, int64_t S, const int64_t *spans, int64_t nspans, const int64_t *tables,
+                            int64_t items, float scale, float *out);
 
 int kvs_forward_fast(const kvs_layer *layers, int64_t L, int64_t E, int64_t I, int64_t H, int64_t KVH, int64_t D,
                      float eps, float scale, const float *cos, const float *sin, int64_t max_pos, void *kpool,
@@ -50,10 +54,17 @@ int kvs_forward_fast(const kvs_layer *layers, int64_t L, int64_t E, int64_t I, i
         rows += sp[1];
     }
     if (rows != T) return -2;
+    /* the attention kernel's own argument check, once for the step (the pages do not change between layers) */
+    const int64_t items = kvs_paged_attention_items(T, H, KVH, D, P, S, spans, nspans, tables, ntables);
+    if (items < 0) return (int)items;
     const int64_t HD = H * D, KD = KVH * D, NQKV = HD + 2 * KD;
     const int64_t layer_elems = P * S * KD, esz = kv_bf16 ? 2 : 4;
-    float *buf = (float *)malloc(sizeof(float) * (size_t)T * (size_t)(E + NQKV + HD + 2 * KD + HD + E + 3 * I));
+    /* one allocation for the step: the activations, then the int8 rows of the widest product input */
+    const int64_t kmax = E > HD ? (E > I ? E : I) : (HD > I ? HD : I);
+    const size_t act_bytes = sizeof(float) * (size_t)T * (size_t)(E + NQKV + HD + 2 * KD + HD + E + 3 * I);
+    float *buf = (float *)malloc(act_bytes + (size_t)kvs_qscratch_bytes(T, kmax) + 64);
     if (!buf) return -4;
+    void *qs = (char *)buf + ((act_bytes + 63) & ~(size_t)63);
     float *x = buf, *qkv = x + T * E, *q = qkv + T * NQKV, *k = q + T * HD, *v = k + T * KD, *o = v + T * KD,
           *tmp = o + T * HD, *gu = tmp + T * E, *act = gu + T * 2 * I;
     int rc = 0;
@@ -61,7 +72,7 @@ int kvs_forward_fast(const kvs_layer *layers, int64_t L, int64_t E, int64_t I, i
         const kvs_layer *ly = layers + l;
         char *kl = (char *)kpool + l * layer_elems * esz, *vl = (char *)vpool + l * layer_elems * esz;
         if ((rc = kvs_rmsnorm(h, ly->ln1, T, E, eps, x))) break;
-        if ((rc = kvs_qlinear(ly->t_qkv, ly->w_qkv, NQKV, E, x, T, qkv))) break;
+        if ((rc = kvs_qlinear_into(ly->t_qkv, ly->w_qkv, NQKV, E, x, T, qkv, qs))) break;
         if (ly->b_qkv)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t i = 0; i < NQKV; i++) qkv[t * NQKV + i] += ly->b_qkv[i];
@@ -73,15 +84,14 @@ int kvs_forward_fast(const kvs_layer *layers, int64_t L, int64_t E, int64_t I, i
             memcpy(v + t * KD, row + HD + KD, sizeof(float) * KD);
         }
         if ((rc = kvs_write_kv(k, v, T, KVH, D, kl, vl, kv_bf16, P, S, slots))) break;
-        if ((rc = kvs_paged_attention(q, T, H, KVH, D, kl, vl, kv_bf16, P, S, spans, nspans, tables, ntables, scale,
-                                      o)))
+        if ((rc = kvs_paged_attention_run(q, H, KVH, D, kl, vl, kv_bf16, S, spans, nspans, tables, items, scale, o)))
             break;
-        if ((rc = kvs_qlinear(ly->t_o, ly->w_o, E, HD, o, T, tmp))) break;
+        if ((rc = kvs_qlinear_into(ly->t_o, ly->w_o, E, HD, o, T, tmp, qs))) break;
         for (int64_t i = 0; i < T * E; i++) h[i] += tmp[i];
         if ((rc = kvs_rmsnorm(h, ly->ln2, T, E, eps, x))) break;
-        if ((rc = kvs_qlinear(ly->t_gu, ly->w_gu, 2 * I, E, x, T, gu))) break;
+        if ((rc = kvs_qlinear_into(ly->t_gu, ly->w_gu, 2 * I, E, x, T, gu, qs))) break;
         if ((rc = kvs_silu_mul(gu, T, I, act))) break;
-        if ((rc = kvs_qlinear(ly->t_down, ly->w_down, E, I, act, T, tmp))) break;
+        if ((rc = kvs_qlinear_into(ly->t_down, ly->w_down, E, I, act, T, tmp, qs))) break;
         for (int64_t i = 0; i < T * E; i++) h[i] += tmp[i];
     }
     free(buf);

@@ -305,12 +305,16 @@ static int chosen_isa(void) {
 
 int kvs_qisa(void) { return chosen_isa(); }
 
-/* y (M, N) = x (M, K) @ W^T for W packed by kvs_qpack. Threads split the tiles (never K). */
-int kvs_qlinear(int type, const uint8_t *packed, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
+/* Bytes of scratch kvs_qlinear_into needs for M rows of K inputs: the int8 rows and their block scales. */
+int64_t kvs_qscratch_bytes(int64_t M, int64_t K) { return M * K + M * (K / QK) * 12; }
+
+/* y (M, N) = x (M, K) @ W^T for W packed by kvs_qpack, with caller-owned scratch (kvs_qscratch_bytes). Threads
+   split the tiles (never K). */
+int kvs_qlinear_into(int type, const uint8_t *packed, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                     void *scratch) {
     if (kvs_qpacked_bytes(type, N, K) < 0 || M <= 0) return -1;
     const int64_t nb = K / QK, ntiles = (N + NT - 1) / NT, tb = tile_block_bytes(type);
-    int8_t *qx = (int8_t *)malloc((size_t)(M * K) + (size_t)(M * nb) * 12);
-    if (!qx) return -4;
+    int8_t *qx = (int8_t *)scratch;
     float *dx = (float *)(qx + M * K), *dxs = dx + M * nb;
     int32_t *sx = (int32_t *)(dxs + M * nb);
 #pragma omp parallel for schedule(static) if (M * K > 16384)
@@ -326,6 +330,15 @@ int kvs_qlinear(int type, const uint8_t *packed, int64_t N, int64_t K, const flo
         for (int64_t m = 0; m < M; m += mr)
             fn(type, tile, nb, &xr, K, m, M - m < mr ? M - m : mr, y + m * N + t * NT, N, ncols);
     }
-    free(qx);
     return 0;
+}
+
+/* kvs_qlinear_into with scratch of its own */
+int kvs_qlinear(int type, const uint8_t *packed, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
+    if (kvs_qpacked_bytes(type, N, K) < 0 || M <= 0) return -1;
+    void *scratch = malloc((size_t)kvs_qscratch_bytes(M, K));
+    if (!scratch) return -4;
+    int rc = kvs_qlinear_into(type, packed, N, K, x, M, y, scratch);
+    free(scratch);
+    return rc;
 }
