@@ -60,6 +60,10 @@ class EngineLoop:
         return fut
 
     def _run(self) -> None:
+        if self.engine.kernels == "native":
+            from kvseal.kernels.ops import match_torch_threads
+
+            match_torch_threads()
         while not self._stop.is_set():
             busy = self.engine.has_work()
             try:

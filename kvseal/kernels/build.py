@@ -131,6 +131,8 @@ def load() -> ctypes.CDLL:
     lib.kvs_forward_fast.argtypes = [ptr, i64, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, i64, ptr, ptr, i32, i64,
                                      i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64]
     lib.kvs_forward_fast.restype = i32
+    lib.kvs_set_threads.argtypes, lib.kvs_set_threads.restype = [i32], None
+    lib.kvs_get_threads.argtypes, lib.kvs_get_threads.restype = [], i32
     return lib
 
 

@@ -12,6 +12,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -468,3 +469,11 @@ int kvs_decode_forward(const kvs_layer *layers, int64_t L, int64_t E, int64_t I,
     free(buf);
     return rc;
 }
+
+/* The calling thread's OpenMP team size (a per-thread setting): an engine stepping on a thread of its own takes
+   torch's thread count with it (kernels/ops.py, match_torch_threads). */
+void kvs_set_threads(int n) {
+    if (n > 0) omp_set_num_threads(n);
+}
+
+int kvs_get_threads(void) { return omp_get_max_threads(); }

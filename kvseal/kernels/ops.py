@@ -92,6 +92,12 @@ class QWeight:
         return self.data.numel()
 
 
+def match_torch_threads() -> None:
+    """Give the calling thread's kernel calls torch's thread count (OpenMP's is per thread; an engine that steps
+    on a thread of its own would otherwise use every core whatever --threads says)."""
+    lib().kvs_set_threads(torch.get_num_threads())
+
+
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise RuntimeError(f"native kernel {what} rejected its arguments (code {rc})")

@@ -257,3 +257,23 @@ def test_qpack_refuses_what_it_cannot_pack() -> None:
     with pytest.raises(ValueError, match="cannot repack"):
         QWeight.pack(bad)
     assert np.array_equal(QWeight.pack(random_blocks(Q4_1, 16, 32, 0)).data.numpy().shape, [16 * 20])
+
+
+def test_an_engine_thread_takes_torchs_thread_count() -> None:
+    """OpenMP's team size is per thread: the kernels called from an engine's own thread follow torch's setting."""
+    import threading
+
+    seen: dict[str, int] = {}
+    before = torch.get_num_threads()
+
+    def engine_thread() -> None:
+        ops.lib().kvs_set_threads(2)  # whatever the thread started with
+        torch.set_num_threads(1)
+        ops.match_torch_threads()
+        seen["n"] = ops.lib().kvs_get_threads()
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join()
+    torch.set_num_threads(before)
+    assert seen["n"] == 1
