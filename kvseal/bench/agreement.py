@@ -18,13 +18,13 @@ import importlib
 import inspect
 import json
 import math
-import platform
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from kvseal.bench import cpu_record
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
@@ -150,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(row)
         print(json.dumps(row), flush=True)
 
-    print(f"\nCPU: {platform.processor() or platform.machine()}; {a.prompts} prompts x {a.new_tokens} tokens; "
-          f"perplexity text {len(text_ids)} tokens")
+    cpu = cpu_record.collect()
+    print(f"\n{cpu_record.header(cpu)}\n{a.prompts} prompts x {a.new_tokens} tokens; perplexity text "
+          f"{len(text_ids)} tokens")
     print("| arithmetic | KV dtype | greedy tokens equal to exact before the first difference (median / mean) "
           "| prompts fully equal | perplexity | vs exact |")
     print("|---|---|---|---|---|---|")
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['arithmetic']} (reference) | {r['kv_dtype']} | - | - | {r['perplexity']:.3f} | - |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"runs": runs, "prompts": a.prompts, "new_tokens": a.new_tokens,
+            json.dump({"cpu": cpu, "runs": runs, "prompts": a.prompts, "new_tokens": a.new_tokens,
                        "text_tokens": len(text_ids)}, f, indent=2)
     return 0
 
