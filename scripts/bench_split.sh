@@ -3,13 +3,23 @@
 # usage: bash scripts/bench_split.sh     (REPEATS=2, OUT=bench_out/split; C=32 streams and 1 stream, 128 + 128)
 # Each configuration: start, wait for /health, `kvseal bench` at concurrency 1 and 32 (fresh prompts), stop.
 cd "$(dirname "$0")/.." && OUT=${OUT:-bench_out/split} && mkdir -p "$OUT"
-configs=(
+# CONFIGS (space-separated names) picks some; each is name|kvseal serve flags|environment
+all_configs=(
   "unified|--unified|"
+  "unified-passive|--unified|OMP_WAIT_POLICY=PASSIVE"
+  "unified-spin10k|--unified|GOMP_SPINCOUNT=10000"
+  "unified-1t|--unified --threads 1|"
   "disagg-1+1|--prefill-threads 1 --decode-threads 1|"
+  "disagg-1+1-passive|--prefill-threads 1 --decode-threads 1|OMP_WAIT_POLICY=PASSIVE"
   "disagg-2+2|--prefill-threads 2 --decode-threads 2|"
   "disagg-2+2-passive|--prefill-threads 2 --decode-threads 2|OMP_WAIT_POLICY=PASSIVE"
   "disagg-1+2-passive|--prefill-threads 1 --decode-threads 2|OMP_WAIT_POLICY=PASSIVE"
 )
+configs=()
+for c in "${all_configs[@]}"; do
+  name=${c%%|*}
+  if [ -z "${CONFIGS:-}" ] || [[ " $CONFIGS " == *" $name "* ]]; then configs+=("$c"); fi
+done
 for rep in $(seq 1 "${REPEATS:-2}"); do
   for c in "${configs[@]}"; do
     IFS='|' read -r name flags envs <<< "$c"

@@ -49,8 +49,25 @@ def main(argv: list[str] | None = None) -> int:
         m = torch.randn(2048, 2048).to(dtype)
         t = median_s(lambda: m @ m, n=3)  # noqa: B023 - used at once
         print(f"{str(dtype).removeprefix('torch.')} GEMM 2048^3: {2 * 2048**3 / t / 1e9:.1f} GFLOP/s")
+    instruction_peaks()
     model_products()
     return 0
+
+
+def instruction_peaks() -> None:
+    """One core's issue rate of the three multiply-add instructions (12 independent ones in a loop)."""
+    from kvseal.kernels.ops import lib
+
+    for kind, name, macs in ((0, "int8 vpdpbusd", 64), (1, "fp32 vfmadd231ps", 16), (2, "bf16 vdpbf16ps", 32)):
+        if lib().kvs_peak_issue(kind, 1) < 0:
+            print(f"{name}: not on this CPU")
+            continue
+        best = 0.0
+        for _ in range(3):
+            t = time.thread_time()
+            n = lib().kvs_peak_issue(kind, 5_000_000)
+            best = max(best, n / (time.thread_time() - t))
+        print(f"one core, 512-bit {name}: {best / 1e9:.2f} G instructions/s = {best * macs / 1e9:.0f} G multiply-adds/s")
 
 
 def model_products(rows: tuple[int, ...] = (1, 8, 32, 128, 512)) -> None:

@@ -133,6 +133,7 @@ def load() -> ctypes.CDLL:
     lib.kvs_forward_fast.restype = i32
     lib.kvs_set_threads.argtypes, lib.kvs_set_threads.restype = [i32], None
     lib.kvs_get_threads.argtypes, lib.kvs_get_threads.restype = [], i32
+    lib.kvs_peak_issue.argtypes, lib.kvs_peak_issue.restype = [i32, i64], i64
     return lib
 
 

@@ -342,3 +342,31 @@ int kvs_qlinear(int type, const uint8_t *packed, int64_t N, int64_t K, const flo
     free(scratch);
     return rc;
 }
+
+/* ---- this core's peak rate of one instruction, for bench.limits (how far the kernels are from the machine) --- */
+#define PEAK12(op)                                                                                              \
+    op " %%zmm0, %%zmm1, %%zmm2\n\t" op " %%zmm0, %%zmm1, %%zmm3\n\t" op " %%zmm0, %%zmm1, %%zmm4\n\t"          \
+    op " %%zmm0, %%zmm1, %%zmm5\n\t" op " %%zmm0, %%zmm1, %%zmm6\n\t" op " %%zmm0, %%zmm1, %%zmm7\n\t"          \
+    op " %%zmm0, %%zmm1, %%zmm8\n\t" op " %%zmm0, %%zmm1, %%zmm9\n\t" op " %%zmm0, %%zmm1, %%zmm10\n\t"         \
+    op " %%zmm0, %%zmm1, %%zmm11\n\t" op " %%zmm0, %%zmm1, %%zmm12\n\t" op " %%zmm0, %%zmm1, %%zmm13\n\t"
+#define PEAK_CLOBBER "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13"
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vnni,avx512bf16")
+/* 12 independent 512-bit instructions per round, `rounds` times: kind 0 vpdpbusd (64 int8 multiply-adds each),
+   1 vfmadd231ps (16 float32), 2 vdpbf16ps (32 bfloat16). Returns instructions issued (the caller times it);
+   -1 when this CPU lacks the instruction. */
+int64_t kvs_peak_issue(int kind, int64_t rounds) {
+    if (!__builtin_cpu_supports("avx512f") || (kind == 0 && !__builtin_cpu_supports("avx512vnni")) ||
+        (kind == 2 && !__builtin_cpu_supports("avx512bf16")))
+        return -1;
+    for (int64_t k = 0; k < rounds; k++) {
+        if (kind == 0)
+            __asm__ volatile(PEAK12("vpdpbusd")::: PEAK_CLOBBER);
+        else if (kind == 1)
+            __asm__ volatile(PEAK12("vfmadd231ps")::: PEAK_CLOBBER);
+        else
+            __asm__ volatile(PEAK12("vdpbf16ps")::: PEAK_CLOBBER);
+    }
+    return 12 * rounds;
+}
+#pragma GCC pop_options
