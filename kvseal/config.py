@@ -42,6 +42,7 @@ class CacheConfig:
     pool_bytes: int | None = None  # or in bytes; at most one of the two; neither -> the context window x 4
     scrub: bool = True  # zero pages before they return to the free list (seal 6)
     kv_dtype: str = "auto"  # "auto": the model's dtype; "bfloat16" halves KV memory and handoff bytes
+    prefix_cache: bool = True  # keep full prompt pages for later requests of the same tenant (seal 9)
 
     def __post_init__(self) -> None:
         _need(0 < self.page_size <= 1024 and self.page_size & (self.page_size - 1) == 0, "page_size",

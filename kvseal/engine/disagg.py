@@ -81,8 +81,7 @@ class PrefillEngine(Engine):
             return
         seq = h.seq
         if error is None:
-            self.allocator.free_all(seq.owner.key)  # scrubbed before reuse
-            seq.pages = []
+            self.scheduler.release(seq)  # own pages scrubbed before reuse; cached prompt pages stay cached
             self.seqs.pop(request_id, None)
         else:
             self._end(seq, lambda: seq.life.fail(error))

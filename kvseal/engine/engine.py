@@ -33,6 +33,7 @@ from kvseal.kernels.build import resolve as resolve_kernels
 from kvseal.kernels.memory import keep_freed_pages
 from kvseal.kv.allocator import PageAllocator
 from kvseal.kv.pool import KVPool, pool_num_pages
+from kvseal.kv.prefix_cache import PrefixCache, namespace_id, namespace_root, page_keys
 from kvseal.lifecycle import FinishReason, State
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.detokenize import IncrementalDecoder
@@ -75,10 +76,12 @@ class Engine:
         self.pool = KVPool(arch, num_pages, cfg.cache.page_size, self.kv_dtype, self.device,
                            layout="kt" if self.arithmetic.fast else "std")
         self.allocator = PageAllocator(num_pages, scrubber=self.pool.scrub if cfg.cache.scrub else None)
+        # decode workers keep no prefix cache: prefill computes every prompt (see docs/architecture.md)
+        self.prefix_cache = PrefixCache(self.allocator, enabled=cfg.cache.prefix_cache and role != "decode")
         self.kv_layout = self.pool.layout_name
         # The served window: what the model supports, the operator allows, and the pool can hold.
         self.context_window = min(model_window, self.pool.capacity_tokens)
-        self.scheduler = Scheduler(cfg.scheduler, self.allocator, cfg.cache.page_size)
+        self.scheduler = Scheduler(cfg.scheduler, self.allocator, cfg.cache.page_size, self.prefix_cache)
         self.runner = ModelRunner(self.model, self.pool, self.allocator)
         self.seqs: dict[str, Sequence] = {}
         self._out: list[GenerateDelta] = []
@@ -94,7 +97,15 @@ class Engine:
             "model_max_position": self.arch.max_position,
             "pool_tokens": self.pool.capacity_tokens,
             "pool_pages": self.pool.num_pages,
+            # free_pages: what a new request can get now, the free list plus unreferenced cached pages (evicted
+            # and scrubbed on demand); equal to pool_pages whenever no request holds a page (seal 8)
             "free_pages": self.allocator.num_free,
+            "owned_pages": self.allocator.num_owned,
+            "cached_pages": self.prefix_cache.num_cached,
+            "cached_pages_in_use": self.prefix_cache.num_referenced,
+            "prefix_cache": self.prefix_cache.enabled,
+            "prefix_cache_hit_tokens": self.scheduler.reused_tokens,
+            "prefix_cache_evicted_pages": self.prefix_cache.evicted_pages,
             "page_size": self.pool.page_size,
             "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
             "kv_layout": self.kv_layout,
@@ -137,6 +148,10 @@ class Engine:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng).item())
         seq = Sequence(req, self.allocator.new_owner(), IncrementalDecoder(self.tokenizer), seed)
+        root = namespace_root(req.tenant, req.cache_salt)
+        seq.cache_ns = namespace_id(root)
+        if self.prefix_cache.enabled:
+            seq.cache_keys = page_keys(root, req.prompt_ids, self.pool.page_size)
         try:
             if req.v != SCHEMA_VERSION:
                 raise InvalidRequest(f"message schema v{req.v} is not v{SCHEMA_VERSION}: upgrade the peer")
@@ -185,6 +200,11 @@ class Engine:
             for seq in result.violations:
                 self._end(seq, partial(seq.life.fail, PageOwnershipViolation(
                     f"request {seq.request_id}: its page table names pages it does not own; no output")))
+            for seq, n in zip(batch.seqs, batch.num_new):
+                # the step that completed the prompt: its full pages are final (never written again) -> cache
+                if seq.cache_keys and seq not in result.violations \
+                        and seq.num_computed - n < len(seq.prompt_ids) <= seq.num_computed:
+                    self._cache_prompt(seq)
             if result.logits is not None:
                 tokens, lps = sample(result.logits, [s.params for s in result.sampled],
                                      [s.seed for s in result.sampled],
@@ -193,6 +213,11 @@ class Engine:
                     self._on_sampled(seq, tok, lp)
         out, self._out = self._out, []
         return out
+
+    def _cache_prompt(self, seq: Sequence) -> None:
+        # past the seal-5 check every page here is seq's own or held by it: insert() cannot raise NotOwner
+        full = len(seq.prompt_ids) // self.pool.page_size
+        self.prefix_cache.insert(seq.owner, seq.cache_ns, seq.cache_keys[:full], seq.pages[:full])
 
     def _on_sampled(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> None:
         """A sequence's next token is due; the prefill engine hands off here instead."""
@@ -242,7 +267,7 @@ class Engine:
         toks, seq.sent_tokens = seq.output_ids[seq.sent_tokens :], len(seq.output_ids)
         lps, seq.pending_logprobs = (seq.pending_logprobs or None), []
         return GenerateDelta(seq.request_id, toks, text, lps, prompt_tokens=len(seq.prompt_ids),
-                             completion_tokens=len(seq.output_ids))
+                             completion_tokens=len(seq.output_ids), cached_tokens=seq.cached_tokens)
 
     def _final(self, seq: Sequence) -> GenerateDelta:
         outcome = seq.life.outcome

@@ -35,7 +35,8 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    tenant: str = ""  # the API key (or "") that owns this request; caches are keyed by it (seal 9)
+    tenant: str = ""  # the tenant the API key names ("" without --api-keys); caches are keyed by it (seal 9)
+    cache_salt: str | None = None  # splits a tenant's prefix cache further (OpenAI/vLLM's cache_salt)
     v: int = SCHEMA_VERSION
 
 
@@ -59,4 +60,5 @@ class GenerateDelta(msgspec.Struct, frozen=True):
     error: ErrorInfo | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details)
     v: int = SCHEMA_VERSION

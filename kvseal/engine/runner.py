@@ -32,7 +32,8 @@ class ModelRunner:
         self.device = pool.k.device
 
     def check_ownership(self, batch: Batch) -> list[Sequence]:
-        return [s for s in batch.seqs if not self.allocator.owns(s.owner, s.pages)]
+        # seal 5: each page is the sequence's own, or a cached page it holds under its own tenant key
+        return [s for s in batch.seqs if not self.allocator.may_read(s.owner, s.cache_ns, s.pages)]
 
     def run(self, batch: Batch, all_logits: bool = False) -> StepResult:
         """all_logits: logits for every row fed this step, in row order (teacher-forced scoring, benchmarks),

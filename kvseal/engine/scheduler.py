@@ -5,7 +5,9 @@ Policy, once per step, under a token budget:
      When pages run out, the newest running sequence is preempted (pages scrubbed and freed, recomputed
      later) until the older one fits.
   2. then waiting sequences, oldest first, as long as budget and batch slots allow; one whose pages are not
-     free now is skipped for this step.
+     free now is skipped for this step. A sequence that starts (or restarts) from nothing first takes the
+     longest cached prefix of its prompt under its own tenant key and is charged only for the rest; at least
+     its last prompt token is always computed, for the logits.
 Waiting for pages is bounded: a sequence refused pages at every step for wait_timeout_s ends REJECTED with
 503. Waiting behind other requests' compute is not bounded here (the queue length is: max_waiting).
 """
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from kvseal.config import SchedulerConfig
 from kvseal.engine.sequence import Sequence
 from kvseal.kv.allocator import OutOfPages, PageAllocator
+from kvseal.kv.prefix_cache import PrefixCache
 
 
 @dataclass
@@ -32,10 +35,13 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, page_size: int,
+                 cache: PrefixCache | None = None) -> None:
         self.cfg = cfg
         self.allocator = allocator
         self.page_size = page_size
+        self.cache = cache if cache is not None else PrefixCache(allocator, enabled=False)
+        self.reused_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -71,13 +77,18 @@ class Scheduler:
             if budget == 0 or preempted or len(self.running) >= self.cfg.max_num_seqs:
                 break
             considered += 1
+            hit = self._reuse_cached(seq) if not seq.pages and seq.num_computed == 0 else 0
             n = min(seq.num_tokens - seq.num_computed, budget)
             # one that does not fit now is skipped, not waited on: a long recompute at the head of the queue
             # must not block a request that already holds its pages (a verified handoff on decode)
             if not self._grow(seq, seq.num_computed + n):
+                if hit:
+                    self.release(seq)  # retried from nothing next step; no reference stays held meanwhile
+                    seq.num_computed = 0
                 if seq.blocked_since is None:
                     seq.blocked_since = now
                 continue
+            self.reused_tokens += hit
             seq.blocked_since = None
             self.waiting.remove(seq)
             self.running.append(seq)
@@ -96,12 +107,21 @@ class Scheduler:
                 and now - s.blocked_since > limit]
 
     def remove(self, seq: Sequence) -> None:
-        """Take seq out of the queues and free its pages (scrubbed by the allocator)."""
+        """Take seq out of the queues, free its pages (scrubbed by the allocator), drop its cache references."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
+        self.release(seq)
+
+    def _reuse_cached(self, seq: Sequence) -> int:
+        """Start seq on the longest cached prefix of its prompt in its own namespace; returns the tokens."""
+        limit = (seq.num_tokens - 1) // self.page_size  # the last token is always computed: its logits
+        seq.pages = self.cache.acquire(seq.owner, seq.cache_ns, seq.cache_keys[:limit])
+        seq.num_computed = len(seq.pages) * self.page_size
+        if seq.first_scheduled is None:
+            seq.cached_tokens = seq.num_computed
+        return seq.num_computed
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         need = -(-num_tokens // self.page_size) - len(seq.pages)
@@ -115,12 +135,16 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)
+        self.release(seq)
         seq.owner = self.allocator.next_epoch(seq.owner)  # a stale page table can never pass again
         seq.num_computed = 0
         self.waiting.appendleft(seq)
 
-    def _release(self, seq: Sequence) -> None:
-        # The owner array decides what seq holds, not seq.pages (which may be what went wrong).
+    def release(self, seq: Sequence) -> None:
+        """Free every page seq owns and drop every cached page it holds (at any epoch).
+
+        The owner array and the cache's holder books decide what seq holds, not seq.pages (which may be
+        what went wrong)."""
+        self.cache.release(seq.owner.key)
         self.allocator.free_all(seq.owner.key)
         seq.pages = []

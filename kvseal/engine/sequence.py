@@ -3,6 +3,8 @@
 Invariant: pages hold the KV of all_ids[:num_computed], and len(pages) * page_size >= num_computed. The next
 step feeds all_ids[num_computed : num_computed + n]; when that reaches num_tokens the last row's logits
 give the next token. Prefill, chunked prefill, decode and recompute-after-preemption are all this one rule.
+A prefix-cache hit is the same rule too: the cached pages come first in `pages` (held, read-only) and
+num_computed starts at the end of them; every page written from there on is the sequence's own.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ class Sequence:
         self.prompt_ids: list[int] = list(req.prompt_ids)
         self.params: SamplingParams = req.params
         self.tenant = req.tenant
+        # the prefix cache's view (set by the engine at admission): the namespace (tenant, cache_salt) and the
+        # keys of the prompt's full pages; empty keys: this request neither uses nor fills the cache
+        self.cache_ns = 0
+        self.cache_keys: list[bytes] = []
+        self.cached_tokens = 0  # prompt tokens served from the cache when it was first scheduled (usage)
         self.life = Lifecycle(req.request_id)
         self.owner = owner
         self.pages: list[int] = []

@@ -158,15 +158,22 @@ def test_seal5_stale_epoch_after_preemption_is_refused(tiny: Checkpoint) -> None
 
 
 def test_seal6_freed_pages_are_zeroed(tiny: Checkpoint) -> None:
+    def zero(e: Engine, pages: list[int]) -> bool:
+        return float(e.pool.k[:, pages].abs().sum() + e.pool.v[:, pages].abs().sum()) == 0.0
+
     for scrub in (True, False):
-        e = make_engine(tiny, scrub=scrub)
-        e.add_request(GenerateRequest("a", prompt(30, 8), SamplingParams(max_tokens=2, temperature=0.0)))
-        e.step()
-        pages = list(e.seqs["a"].pages)
-        assert e.pool.k[:, pages].abs().sum() > 0
-        drain(e)
-        remaining = float(e.pool.k[:, pages].abs().sum() + e.pool.v[:, pages].abs().sum())
-        assert (remaining == 0.0) == scrub
+        for cache in (True, False):
+            e = make_engine(tiny, scrub=scrub, prefix_cache=cache)
+            e.add_request(GenerateRequest("a", prompt(30, 8), SamplingParams(max_tokens=2, temperature=0.0)))
+            e.step()
+            pages = list(e.seqs["a"].pages)
+            assert e.pool.k[:, pages].abs().sum() > 0
+            drain(e)
+            cached = e.allocator.cached_pages()
+            assert len(cached) == (30 // 4 if cache else 0)  # the full prompt pages stay cached, read-only
+            assert zero(e, [p for p in pages if p not in cached]) == scrub  # the rest: scrubbed as freed
+            e.prefix_cache.clear()
+            assert zero(e, pages) == scrub  # cached pages: scrubbed as evicted
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(tiny: Checkpoint) -> None:
