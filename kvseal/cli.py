@@ -58,6 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(needs --arithmetic fast or --kernels torch)")
     p.add_argument("--kv-scrub", type=_on_off, default=True, metavar="on|off",
                    help="zero KV pages before they return to the free list (default on)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="keep no prefix cache (by default full prompt pages are kept and shared read-only with "
+                        "later requests of the same tenant and cache_salt)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="per-step token budget; longer prompts are prefilled in chunks of this size")
@@ -79,7 +82,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(path=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                           served_name=a.served_model_name, kernels=a.kernels, arithmetic=a.arithmetic),
         cache=CacheConfig(page_size=a.page_size, pool_tokens=a.kv_pool_tokens, pool_bytes=a.kv_pool_bytes,
-                          scrub=a.kv_scrub, kv_dtype=a.kv_dtype),
+                          scrub=a.kv_scrub, kv_dtype=a.kv_dtype, prefix_cache=not a.no_prefix_cache),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_waiting=a.max_waiting, wait_timeout_s=a.wait_timeout),
         seed=a.seed,
@@ -89,14 +92,18 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=port, help="port to listen on")
-    p.add_argument("--api-key", action="append", default=[],
-                   help="require this bearer key (repeatable); the key also names the tenant")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="require a bearer key on every route but /health: FILE has one `TENANT KEY` line per key "
+                        "(# comments); the tenant keys the prefix cache. Without it: no keys, one tenant")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger bodies get 413")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes, api_keys=tuple(a.api_key))
+    from kvseal.router.tenants import load_api_keys
+
+    keys = load_api_keys(a.api_keys) if a.api_keys is not None else ()
+    return ServerConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes, api_keys=keys)
 
 
 def engine_argv(a: argparse.Namespace) -> list[str]:
@@ -107,6 +114,8 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
              "--kv-scrub", "on" if a.kv_scrub else "off", "--max-num-seqs", str(a.max_num_seqs),
              "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-waiting", str(a.max_waiting),
              "--wait-timeout", str(a.wait_timeout), "--seed", str(a.seed), "--log-level", a.log_level]
+    if a.no_prefix_cache:
+        argv.append("--no-prefix-cache")
     for flag, value in (("--max-model-len", a.max_model_len), ("--kv-pool-tokens", a.kv_pool_tokens),
                         ("--kv-pool-bytes", a.kv_pool_bytes), ("--served-model-name", a.served_model_name),
                         ("--threads", a.threads)):

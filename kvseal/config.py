@@ -5,7 +5,7 @@ Every error names the field, the value and the fix. Nothing mutates a config aft
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -77,10 +77,13 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
-    api_keys: tuple[str, ...] = ()  # empty: no auth
+    # (SHA-256 of a key, its tenant) from --api-keys; empty: no auth, one tenant. Digests only, never keys.
+    api_keys: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         _need(0 <= self.port < 65536, "port", self.port, "give a TCP port 0-65535")
+        _need(all(len(d) == 64 and t for d, t in self.api_keys), "api_keys", f"{len(self.api_keys)} entries",
+              "give (sha256 hex digest of a key, tenant name) pairs (kvseal.router.tenants.load_api_keys)")
         _need(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "give a positive size")
 
 

@@ -34,6 +34,7 @@ from kvseal.router.backend import Backend
 from kvseal.router.bodylimit import BodyLimit
 from kvseal.router.openai_format import ResponseBuilder, chat_logprobs, completion_logprobs, usage
 from kvseal.router.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
+from kvseal.router.tenants import TenantAuth
 
 log = logging.getLogger("kvseal.api")
 
@@ -53,6 +54,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="kvseal", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(TenantAuth, api_keys=cfg.api_keys)  # added last: runs first, before any body is read
 
     @app.exception_handler(KvsealError)
     async def _kvseal_error(_: Request, err: KvsealError) -> JSONResponse:
@@ -80,13 +82,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
         return error_response(InternalError("internal error; the request was not completed"))
 
     def tenant_of(request: Request) -> str:
-        auth = request.headers.get("authorization", "")
-        key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
-        if cfg.api_keys and key not in cfg.api_keys:
-            err = InvalidRequest("invalid or missing API key", code="invalid_api_key")
-            err.status, err.type = 401, "authentication_error"
-            raise err
-        return key
+        return str(request.state.tenant)  # set by TenantAuth: "" when the server has no --api-keys
 
     def check_model(name: str) -> None:
         if name != backend.model_name:
@@ -174,7 +170,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
             min_tokens=body.min_tokens,
         )
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        gen = backend.generate(GenerateRequest(rid, ids, params, tenant=tenant))
+        gen = backend.generate(GenerateRequest(rid, ids, params, tenant=tenant, cache_salt=body.cache_salt))
         builder = ResponseBuilder(rid, backend.model_name, chat, body.return_token_ids)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -218,7 +214,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
                 task.cancel()
         if last.error is not None:
             return error_response(KvsealError.from_info(last.error))
-        use = usage(last.prompt_tokens, last.completion_tokens)
+        use = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
         return JSONResponse(builder.whole(text, last.final or "stop", format_lps(lps, chat, 0), use, ids))
 
     async def stream(gen: AsyncGenerator[GenerateDelta, None], builder: ResponseBuilder, include_usage: bool,
@@ -246,7 +242,8 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
                         offset += len(d.text)
                     if finish is not None:
                         if include_usage:
-                            yield _sse(builder.usage_chunk(usage(d.prompt_tokens, d.completion_tokens)))
+                            yield _sse(builder.usage_chunk(usage(d.prompt_tokens, d.completion_tokens,
+                                                                 d.cached_tokens)))
                         yield "data: [DONE]\n\n"
                         return
                     d = await gen.__anext__()

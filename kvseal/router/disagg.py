@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import msgspec
 import zmq.asyncio
 
 from kvseal.engine.messages import GenerateDelta, GenerateRequest
@@ -28,6 +29,7 @@ from kvseal.errors import (
 )
 from kvseal.lifecycle import FinishReason, Lifecycle, State
 from kvseal.model.tokenizer import Tokenizer
+from kvseal.router.affinity import PrefixAffinity
 from kvseal.router.registry import check_fleet, served_window
 from kvseal.router.workers import WorkerClient
 from kvseal.worker import protocol as P
@@ -56,6 +58,7 @@ class DisaggBackend:
         self.ended: dict[str, int] = {s.value: 0 for s in (State.FINISHED, State.REJECTED, State.ABORTED,
                                                            State.FAILED)}
         self._ctx: zmq.asyncio.Context | None = None
+        self.affinity = PrefixAffinity()  # which prefill worker likely holds a prompt's prefix
 
     # -- fleet ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -108,12 +111,17 @@ class DisaggBackend:
                 "model_fingerprint": workers[0].get("model_fingerprint"),
                 "pool_tokens": min(int(w.get("pool_tokens", 0)) for w in workers),
                 "page_size": workers[0].get("page_size"), "kv_dtype": workers[0].get("kv_dtype"),
-                "live_requests": len(self.lifecycles), "ended": dict(self.ended), "workers": workers}
+                "live_requests": len(self.lifecycles), "ended": dict(self.ended),
+                "routed_by_prefix": self.affinity.routed_by_prefix, "workers": workers}
 
-    def _pick(self, pool: list[WorkerClient]) -> WorkerClient:
+    def _pick(self, pool: list[WorkerClient], req: GenerateRequest | None = None) -> WorkerClient:
+        """The least loaded live worker (ties at random); for prefill with `req`, the one most likely to hold
+        the prompt's prefix in its cache unless that one is much busier (router/affinity.py)."""
         live = [w for w in pool if w.alive]
         if not live:
             raise WorkerFailed(f"no live {pool[0].role} worker")
+        if req is not None:
+            return self.affinity.pick(live, req, int(live[0].info.get("page_size", 16)))
         least = min(w.inflight for w in live)
         return random.choice([w for w in live if w.inflight == least])
 
@@ -127,7 +135,7 @@ class DisaggBackend:
         q: asyncio.Queue[GenerateDelta | ErrorInfo] | None = None
         prefill_task: asyncio.Task[P.Message] | None = None
         try:
-            prefill, decode = self._pick(self.prefills), self._pick(self.decodes)
+            prefill, decode = self._pick(self.prefills, req), self._pick(self.decodes)
             prefill.inflight += 1
             decode.inflight += 1
             reservation = await self._reserve(decode, req)
@@ -152,7 +160,8 @@ class DisaggBackend:
                     raise KvsealError.from_info(item.error)
                 if item.final is not None:
                     life.finish(FinishReason(item.final))
-                    await self._prefill_settled(prefill_task, rid)
+                    cached = await self._prefill_settled(prefill_task, rid)
+                    item = msgspec.structs.replace(item, cached_tokens=cached)  # prefill's cache, not decode's
                 yield item
                 if item.final is not None:
                     return
@@ -244,14 +253,17 @@ class DisaggBackend:
                                    f"{self.handoff_timeout_s:g}s").to_info()
         return WorkerFailed(f"{decode.name} produced nothing for {self.stall_timeout_s:g}s").to_info()
 
-    async def _prefill_settled(self, task: asyncio.Task[P.Message], rid: str) -> None:
+    async def _prefill_settled(self, task: asyncio.Task[P.Message], rid: str) -> int:
         """Decode is done; hold the last delta until prefill reported the handoff ended (its pages scrubbed
         and freed), so a client that sees its response end sees every worker back at baseline (seal 8).
-        Bounded: prefill's answer follows decode's ack within milliseconds; a lost answer only logs."""
+        Bounded: prefill's answer follows decode's ack within milliseconds; a lost answer only logs.
+        Returns the prompt tokens prefill served from its prefix cache (0 when unknown)."""
         try:
-            await asyncio.wait_for(asyncio.shield(task), timeout=10.0)
+            resp = await asyncio.wait_for(asyncio.shield(task), timeout=10.0)
         except Exception as exc:  # noqa: BLE001 - the output is complete and verified either way
             log.warning("request %s: no handoff answer from prefill after decode finished: %r", rid, exc)
+            return 0
+        return resp.cached_tokens if isinstance(resp, P.PrefillResp) else 0
 
     async def _safe_notify(self, w: WorkerClient, msg: P.Message) -> None:
         try:

@@ -9,8 +9,10 @@ from kvseal.engine.messages import TokenLogprob
 from kvseal.model.tokenizer import Tokenizer
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; cached: prompt tokens whose KV came from the prefix cache."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _tok(tokenizer: Tokenizer, tid: int) -> str:
@@ -50,7 +52,7 @@ class ResponseBuilder:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish: str, logprobs: dict[str, Any] | None, use: dict[str, int],
+    def whole(self, text: str, finish: str, logprobs: dict[str, Any] | None, use: dict[str, Any],
               ids: list[int]) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
@@ -81,6 +83,6 @@ class ResponseBuilder:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [choice]}
 
-    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, use: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._base(obj), "choices": [], "usage": use}

@@ -33,6 +33,7 @@ class _Job:
     reservation: Reservation
     handle: TransferHandle | None = None
     nbytes: int = 0
+    cached_tokens: int = 0
 
 
 class PrefillWorker(WorkerServer):
@@ -120,7 +121,7 @@ class PrefillWorker(WorkerServer):
             return
         manifest, payload = self.pengine.package(h, job.reservation)
         job.handle = self.transport.send(job.reservation.kv_endpoint, manifest, payload)
-        job.nbytes = payload.nbytes
+        job.nbytes, job.cached_tokens = payload.nbytes, h.seq.cached_tokens
         self.counters["kv_bytes_sent"] += payload.nbytes
 
     def _answer(self, rid: str, state: str, err: KvsealError | None) -> None:
@@ -128,7 +129,8 @@ class PrefillWorker(WorkerServer):
         if job is None:
             return
         self.send(job.ident, P.PrefillResp(call_id=job.call_id, request_id=rid, state=state,
-                                           error=None if err is None else err.to_info(), kv_bytes_sent=job.nbytes))
+                                           error=None if err is None else err.to_info(), kv_bytes_sent=job.nbytes,
+                                           cached_tokens=job.cached_tokens))
 
     def close(self) -> None:
         self.transport.close()

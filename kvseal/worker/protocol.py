@@ -60,6 +60,7 @@ class PrefillResp(_Msg, tag="prefilled", frozen=True, kw_only=True):
     state: str
     error: ErrorInfo | None = None
     kv_bytes_sent: int = 0
+    cached_tokens: int = 0  # prompt tokens this worker took from its prefix cache (usage.prompt_tokens_details)
 
 
 class ReleaseReq(_Msg, tag="release", frozen=True, kw_only=True):

@@ -1,0 +1,92 @@
+"""Tenants from API keys: `--api-keys FILE` and the HTTP middleware that turns a bearer key into a tenant.
+
+The file has one line per key, `TENANT KEY`, and `#` comments. Keys are kept only as SHA-256 digests from the
+moment the file is read, and no message, log line or /info field ever holds a key (or a line of the file).
+Without the flag there is one tenant, "", and no key is asked for. The tenant travels with each request to
+every worker; prefix caches are keyed by it (seal 9).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+_TENANT = re.compile(r"[A-Za-z0-9_.@:-]{1,64}")
+OPEN_PATHS = frozenset({"/health"})  # the only route that needs no key
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def load_api_keys(path: str) -> tuple[tuple[str, str], ...]:
+    """(key digest, tenant) for each key in the file. Errors name the file and line, never its content."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"invalid --api-keys={path!r}: cannot read it as UTF-8 text ({type(exc).__name__}); "
+                         f"give a file with one `TENANT KEY` line per key") from None
+    out: dict[str, str] = {}
+    first_line: dict[str, int] = {}
+    for n, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not _TENANT.fullmatch(parts[0]):
+            raise ValueError(f"invalid --api-keys={path!r} line {n}: expected `TENANT KEY` (a tenant name of "
+                             f"letters, digits and _.@:- up to 64 characters, a space, then the key)")
+        digest = key_digest(parts[1])
+        if digest in out:
+            raise ValueError(f"invalid --api-keys={path!r} line {n}: the same key as line {first_line[digest]}; "
+                             f"each key names one tenant")
+        out[digest], first_line[digest] = parts[0], n
+    if not out:
+        raise ValueError(f"invalid --api-keys={path!r}: the file holds no `TENANT KEY` line; add one per key, or "
+                         f"leave the flag out to serve without keys (one tenant)")
+    return tuple(out.items())
+
+
+class TenantAuth:
+    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY` naming a known key; the
+    tenant goes into request.state.tenant. A missing or unknown key gets 401 in OpenAI's error shape."""
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[tuple[str, str], ...]) -> None:
+        self.app = app
+        self.tenants = dict(api_keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        tenant = ""
+        if self.tenants and scope["path"] not in OPEN_PATHS:
+            headers = dict(scope.get("headers") or [])
+            scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").strip().partition(" ")
+            if scheme.lower() != "bearer" or not key.strip():
+                await _unauthorized(send, "You didn't provide an API key. Send it in an Authorization header "
+                                          "using Bearer auth (Authorization: Bearer YOUR_KEY).")
+                return
+            found = self.tenants.get(key_digest(key.strip()))
+            if found is None:
+                await _unauthorized(send, "Incorrect API key provided. Use a key from the server's --api-keys "
+                                          "file.")
+                return
+            tenant = found
+        scope.setdefault("state", {})["tenant"] = tenant
+        await self.app(scope, receive, send)
+
+
+async def _unauthorized(send: Send, message: str) -> None:
+    body: dict[str, Any] = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                      "code": "invalid_api_key"}}
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": 401,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            (b"www-authenticate", b"Bearer")]})
+    await send({"type": "http.response.body", "body": data})
