@@ -70,6 +70,23 @@ def test_fresh_prompts_never_resend_one() -> None:
     assert dataset.build(cfg, 3) == ps[:3]
 
 
+def test_prefix_prompts_share_their_heads_in_turn() -> None:
+    cfg = cfg_of("--dataset", "prefix", "--prefix-len", "40", "--suffix-len", "9", "--num-prefixes", "3",
+                 "--output-len", "5")
+    ps = dataset.build(cfg, 7)
+    assert all(isinstance(p.prompt, list) and len(p.prompt) == 49 and p.input_len == 49 for p in ps)
+    heads = [tuple(p.prompt[:40]) for p in ps]  # type: ignore[index]
+    assert len(set(heads)) == 3 and heads[0] == heads[3] == heads[6] and heads[1] == heads[4]
+    assert len({tuple(p.prompt[40:]) for p in ps}) == 7  # type: ignore[index]
+    assert dataset.build(cfg, 3) == ps[:3]
+    chat = dataset.build(cfg_of("--dataset", "prefix", "--prefix-len", "30", "--suffix-len", "5",
+                                "--num-prefixes", "2", "--endpoint", "chat"), 4)
+    assert all(isinstance(p.prompt, str) and len(p.prompt.split()) == 35 for p in chat)
+    assert chat[0].prompt.split()[:30] == chat[2].prompt.split()[:30]  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="--num-prefixes"):
+        cfg_of("--dataset", "prefix", "--num-prefixes", "0")
+
+
 def test_random_prompts_follow_the_range_ratio() -> None:
     cfg = cfg_of("--dataset", "random", "--input-len", "40", "--output-len", "20", "--range-ratio", "0.5")
     ps = dataset.build(cfg, 300)
@@ -244,3 +261,12 @@ def test_table_has_a_column_per_pass() -> None:
     row = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]] for ln in lines[2:]}
     assert row["completed / failed"] == ["3 / 1", "3 / 1"] and row["output tok/s"] == ["5.0", "5.0"]
     assert row["TTFT median (ms)"] == ["500.0", "500.0"] and row["goodput (req/s)"] == ["1.00", "1.00"]
+
+
+def test_cached_prompt_tokens_are_summed_when_the_server_reports_them() -> None:
+    def done(cached: int | None) -> RequestResult:
+        return RequestResult(0, 10, 2, t_send=0.0, t_end=1.0, arrivals=[0.5, 1.0], usage_prompt=10,
+                             usage_completion=2, usage_cached=cached)
+
+    assert summarize([done(8), done(0)], 1.0)["cached_input_tokens"] == 8
+    assert summarize([done(None)], 1.0)["cached_input_tokens"] is None  # a server without the field: unknown

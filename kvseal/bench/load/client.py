@@ -84,6 +84,9 @@ async def send_one(client: httpx.AsyncClient, path: str, body: dict[str, Any], r
                 if isinstance(usage, dict):
                     res.usage_prompt = usage.get("prompt_tokens", res.usage_prompt)
                     res.usage_completion = usage.get("completion_tokens", res.usage_completion)
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                        res.usage_cached = details["cached_tokens"]
             if not done:
                 res.error = "stream ended before [DONE]"
     except httpx.TimeoutException as exc:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Endpoint = Literal["completions", "chat"]
-DatasetKind = Literal["fixed", "random", "jsonl"]
+DatasetKind = Literal["fixed", "random", "jsonl", "prefix"]
 
 # goodput keys -> the per-request metric they limit; "e2el" is vLLM's spelling of e2e
 GOODPUT_KEYS = {"ttft": "ttft", "tpot": "tpot", "e2e": "e2e", "e2el": "e2e"}
@@ -47,6 +47,11 @@ class BenchConfig:
     plot: str | None
     save_requests: bool
     progress: bool
+    # the prefix dataset: --num-prefixes shared heads of --prefix-len tokens, each prompt one of them (in turn)
+    # followed by --suffix-len tokens of its own
+    prefix_len: int = 0
+    suffix_len: int = 0
+    num_prefixes: int = 0
 
     @property
     def sweep_key(self) -> str:
@@ -128,9 +133,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "/v1/chat/completions (text prompts of N random words: the token length is approximate)")
     p.add_argument("--api-key", default=None, help="bearer token to send")
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset", default="fixed", choices=["fixed", "random", "jsonl"],
+    d.add_argument("--dataset", default="fixed", choices=["fixed", "random", "jsonl", "prefix"],
                    help="fixed: every prompt --input-len tokens and --output-len out; random: lengths uniform in "
-                        "[len*(1-r), len*(1+r)] for r = --range-ratio; jsonl: --dataset-path")
+                        "[len*(1-r), len*(1+r)] for r = --range-ratio; jsonl: --dataset-path; prefix: shared "
+                        "heads (--num-prefixes of --prefix-len tokens) with suffixes of --suffix-len tokens")
+    d.add_argument("--prefix-len", type=int, default=512, help="prefix: tokens of each shared head")
+    d.add_argument("--suffix-len", type=int, default=64, help="prefix: tokens after the head, new in each prompt")
+    d.add_argument("--num-prefixes", type=int, default=4,
+                   help="prefix: distinct heads; prompt i starts with head i mod N")
     d.add_argument("--dataset-path", default=None, metavar="FILE",
                    help='jsonl: one JSON object a line, {"prompt": "...", "output_len": 128} (output_len optional, '
                         "default --output-len); with fewer lines than prompts needed they are reused in order")
@@ -178,6 +188,8 @@ def config_from_args(a: argparse.Namespace, base_url: str) -> BenchConfig:
         raise ValueError(f"--range-ratio must be in [0, 1), got {a.range_ratio}")
     if a.dataset == "jsonl" and not a.dataset_path:
         raise ValueError("--dataset jsonl needs --dataset-path")
+    if a.dataset == "prefix" and min(a.prefix_len, a.suffix_len, a.num_prefixes) < 1:
+        raise ValueError("--prefix-len, --suffix-len and --num-prefixes must be at least 1")
     if a.timeout <= 0 or a.warmup < 0:
         raise ValueError("--timeout must be positive and --warmup not negative")
     for flag, path in (("--result-json", a.result_json), ("--plot", a.plot)):
@@ -189,4 +201,5 @@ def config_from_args(a: argparse.Namespace, base_url: str) -> BenchConfig:
         seed=a.seed, levels=sweep_levels(a.request_rate, a.max_concurrency, a.num_prompts, a.prompts_per_level),
         fresh_prompts=a.fresh_prompts,
         goodput=parse_goodput(a.goodput), timeout_s=a.timeout, warmup=a.warmup, api_key=a.api_key,
-        result_json=a.result_json, plot=a.plot, save_requests=a.save_requests, progress=not a.no_progress)
+        result_json=a.result_json, plot=a.plot, save_requests=a.save_requests, progress=not a.no_progress,
+        prefix_len=a.prefix_len, suffix_len=a.suffix_len, num_prefixes=a.num_prefixes)

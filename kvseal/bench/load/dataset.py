@@ -78,6 +78,26 @@ def synthetic(n: int, input_lens: Sequence[int], output_lens: Sequence[int], cha
     return out
 
 
+def with_prefixes(cfg: BenchConfig, n: int, tokenizer: Tokenizer | None) -> list[Prompt]:
+    """Prompt i: head i mod --num-prefixes (--prefix-len tokens) + its own --suffix-len tokens (a repeated system
+    prompt or few-shot template: what a prefix cache is for). Chat prompts join the two with a space."""
+    chat = cfg.endpoint == "chat"
+    heads = synthetic(cfg.num_prefixes, [cfg.prefix_len] * cfg.num_prefixes, [cfg.output_len] * cfg.num_prefixes,
+                      chat, tokenizer, random.Random(f"prefixes/{cfg.seed}"))
+    tails = synthetic(n, [cfg.suffix_len] * n, [cfg.output_len] * n, chat, tokenizer,
+                      random.Random(f"suffixes/{cfg.seed}"))
+    out = []
+    for i, tail in enumerate(tails):
+        head = heads[i % len(heads)]
+        if isinstance(head.prompt, list) and isinstance(tail.prompt, list):
+            out.append(Prompt(head.prompt + tail.prompt, cfg.prefix_len + cfg.suffix_len, cfg.output_len))
+        else:
+            text = f"{head.prompt} {tail.prompt}"
+            out.append(Prompt(text, tokenizer.count(text) if tokenizer else cfg.prefix_len + cfg.suffix_len,
+                              cfg.output_len))
+    return out
+
+
 def _row_problem(obj: Any) -> str | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
         return 'expected an object with a string "prompt"'
@@ -132,6 +152,8 @@ def build(cfg: BenchConfig, n: int) -> list[Prompt]:
                 raise ValueError(f"{cfg.dataset_path}: {exc}") from exc
         picked = [rows[i % len(rows)] for i in range(n)]
         return [Prompt(text, tokenizer.count(text) if tokenizer else None, out) for text, out in picked]
+    if cfg.dataset == "prefix":
+        return with_prefixes(cfg, n, tokenizer)
     # one generator per stream, each drawn in prompt order: the first k prompts do not depend on n
     ratio = cfg.range_ratio if cfg.dataset == "random" else 0.0
     ins = lengths(n, cfg.input_len, ratio, random.Random(f"input-len/{cfg.seed}"))

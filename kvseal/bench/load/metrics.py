@@ -32,6 +32,7 @@ class RequestResult:
     arrivals: list[float] = field(default_factory=list)  # monotonic times of chunks that carried output
     usage_prompt: int | None = None
     usage_completion: int | None = None
+    usage_cached: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server reports it
     error: str | None = None  # None: completed
 
     @property
@@ -95,6 +96,8 @@ def summarize(results: Sequence[RequestResult], duration_s: float,
         "duration_s": duration_s, "num_requests": len(results), "completed": len(done),
         "failed": len(results) - len(done), "short_outputs": sum(r.short for r in done),
         "total_input_tokens": tokens_in, "total_output_tokens": tokens_out,
+        "cached_input_tokens": (sum(r.usage_cached or 0 for r in done)
+                                if any(r.usage_cached is not None for r in done) else None),
         "request_throughput": len(done) / duration_s, "input_tok_s": tokens_in / duration_s,
         "output_tok_s": tokens_out / duration_s, "total_tok_s": (tokens_in + tokens_out) / duration_s,
         "good_requests": good, "goodput": None if good is None else good / duration_s}
@@ -112,6 +115,7 @@ def request_record(r: RequestResult, t0: float) -> dict[str, object]:
     """One request's raw numbers for --save-requests (times in ms; t0 is the pass's start)."""
     ttft, tpot = r.ttft_tpot()
     return {"index": r.index, "input_len": r.input_len, "output_len": r.output_len,
-            "prompt_tokens": r.usage_prompt, "output_tokens": r.output_tokens, "error": r.error,
+            "prompt_tokens": r.usage_prompt, "cached_tokens": r.usage_cached, "output_tokens": r.output_tokens,
+            "error": r.error,
             "sent_ms": (r.t_send - t0) * 1e3, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3, "e2e_ms": r.e2e() * 1e3,
             "itl_ms": [g * 1e3 for g in r.itl()]}

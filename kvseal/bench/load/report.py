@@ -37,6 +37,8 @@ def render_table(passes: Sequence[Pass], sweep_key: str, with_goodput: bool) -> 
         ("request rate (req/s)", lambda p: f"{p['level']['request_rate']:g}"),
         ("completed / failed", lambda p: f"{p['metrics']['completed']} / {p['metrics']['failed']}"),
         ("short outputs", lambda p: str(p["metrics"]["short_outputs"])),
+        ("cached / input tokens", lambda p: f"{fmt_num(p['metrics'].get('cached_input_tokens'), 0)} / "
+                                            f"{p['metrics']['total_input_tokens']}"),
         ("duration (s)", _metric("duration_s", 2)),
         ("requests/s", _metric("request_throughput", 2)),
         ("input tok/s", _metric("input_tok_s", 1)),
