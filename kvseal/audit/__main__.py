@@ -42,6 +42,13 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", default="audit_report.json", help="where to write the JSON report")
     p.add_argument("--seed", type=int, default=None, help="seed for secrets and prompts (random when not given; the report records it)")
     p.add_argument("--api-key", default=None, help="bearer token to send (the server's API key)")
+    t = p.add_argument_group("across tenants (instead of the canary audit)")
+    t.add_argument("--tenant-keys", default=None, metavar="KEY_A,KEY_B",
+                   help="run the cross-tenant timing probe: tenant A sends long prompts, tenant B sends the same and "
+                        "fresh ones; B's copies served faster means a prefix cache shared across tenants (exit 1)")
+    t.add_argument("--probe-trials", type=int, default=6, help="probe: trials (each a fresh pair of prompts)")
+    t.add_argument("--probe-chars", type=int, default=3000,
+                   help="probe: characters per prompt (about a quarter as many tokens; keep it inside the window)")
 
 
 def base_url(url: str) -> str:
@@ -129,6 +136,14 @@ def run_audit(a: argparse.Namespace) -> int:
     if problem:
         print(f"kvseal audit: {problem}", file=sys.stderr)
         return 2
+    if a.tenant_keys is not None:
+        from kvseal.audit.tenants import run_probe
+
+        if a.probe_trials < 2 or a.probe_chars < 100:
+            print("kvseal audit: --probe-trials must be at least 2 and --probe-chars at least 100", file=sys.stderr)
+            return 2
+        seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
+        return run_probe(base, a.model, a.tenant_keys, a.probe_chars, a.probe_trials, a.timeout, seed, a.report)
     try:
         return asyncio.run(_audit(a, base))
     except KeyboardInterrupt:

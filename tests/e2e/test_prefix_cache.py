@@ -5,6 +5,8 @@ keys are required, and every pool returns to baseline with the cached pages coun
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -114,10 +116,38 @@ def test_keys_are_required_and_never_echoed(server: Server) -> None:
                                   headers={"Authorization": f"Bearer {KEYS['alice']}"}).text for k in KEYS.values())
 
 
+def probe(url: str, tmp_path: Path) -> tuple[int, str]:
+    """`kvseal audit URL --tenant-keys A,B`: exit code and output."""
+    keys = f"{KEYS['alice']},{KEYS['bob']}"
+    r = subprocess.run([sys.executable, "-m", "kvseal", "audit", url, "--tenant-keys", keys, "--probe-trials", "3",
+                        "--probe-chars", "1500", "--report", str(tmp_path / "probe.json")],
+                       check=False, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert all(k not in out for k in KEYS.values()), out  # keys are never printed
+    return r.returncode, out
+
+
+def test_cross_tenant_probe_finds_nothing_shared(server: Server, tmp_path: Path) -> None:
+    code, out = probe(server.url, tmp_path)
+    assert code == 0 and "ISOLATED" in out, out
+
+
+def test_cross_tenant_probe_sees_one_shared_cache_without_keys(tmp_path: Path) -> None:
+    s = Server(["--unified", *ARGS])  # no --api-keys: every key is the one tenant, so one cache for all
+    try:
+        s.ready()
+        code, out = probe(s.url, tmp_path)
+        assert code == 1 and "SHARED" in out, out
+    finally:
+        s.stop()
+
+
 def test_no_prefix_cache_turns_it_off(tmp_path: Path) -> None:
     s = Server(["--unified", *ARGS, "--no-prefix-cache"])
     try:
         s.ready()
+        code, out = probe(s.url, tmp_path)
+        assert code == 0 and "NO CACHE SEEN" in out, out
         prompt = long_prompt()
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
         for _ in range(2):
