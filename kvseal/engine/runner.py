@@ -32,8 +32,14 @@ class ModelRunner:
         self.device = pool.k.device
 
     def check_ownership(self, batch: Batch) -> list[Sequence]:
-        # seal 5: each page is the sequence's own, or a cached page it holds under its own tenant key
-        return [s for s in batch.seqs if not self.allocator.may_read(s.owner, s.cache_ns, s.pages)]
+        return [s for s, n in zip(batch.seqs, batch.num_new) if not self._may_run(s, n)]
+
+    def _may_run(self, seq: Sequence, n: int) -> bool:
+        """Seal 5: every page in the table is the sequence's own, or a cached page it holds under its own tenant
+        key; and the pages this step writes (positions num_computed..+n) are its own: cached pages are read-only."""
+        ps = self.pool.page_size
+        written = seq.pages[seq.num_computed // ps : -(-(seq.num_computed + n) // ps)]
+        return self.allocator.may_read(seq.owner, seq.cache_ns, seq.pages) and self.allocator.owns(seq.owner, written)
 
     def run(self, batch: Batch, all_logits: bool = False) -> StepResult:
         """all_logits: logits for every row fed this step, in row order (teacher-forced scoring, benchmarks),

@@ -95,6 +95,21 @@ def test_seal5_a_cached_page_not_acquired_is_refused_even_within_the_tenant(tiny
     assert drain(e)["b"][-1].final == "failed"
 
 
+def test_seal5_a_step_that_would_write_into_a_cached_page_is_refused(tiny: Checkpoint) -> None:
+    e = make_engine(tiny)
+    ids = prompt(24, 14)
+    run(e, "a", ids, tenant="t")
+    e.add_request(GenerateRequest("b", ids, GREEDY, tenant="t"))
+    first = e.step()  # b: five pages from the cache, the sixth computed, the first token sampled
+    b = e.seqs["b"]
+    assert first[0].cached_tokens == 20 and len(b.pages) == 6
+    b.pages.append(b.pages[0])  # the page for its next token: a cached page it legitimately holds
+    out = drain(e)["b"]
+    assert out[-1].final == "failed" and out[-1].error.code == "kv_ownership_violation"
+    assert all(d.token_ids == [] for d in out)
+    assert run(e, "c", ids, tenant="t")[0] == run(make_engine(tiny, prefix_cache=False), "d", ids)[0]  # intact
+
+
 def test_preemption_releases_references_and_reuses_the_cache(tiny: Checkpoint) -> None:
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     shared = prompt(24, 10)
