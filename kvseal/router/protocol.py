@@ -71,6 +71,13 @@ class _SamplingFields(BaseModel):
             s.encode("utf-8")  # a lone surrogate is not text: UnicodeEncodeError -> 400
         return v
 
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, v: str | None) -> str | None:
+        if v is not None:
+            v.encode("utf-8")  # it travels to the workers as msgpack text: a lone surrogate -> 400 here
+        return v
+
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
