@@ -153,7 +153,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     return 0
 
 
-def run_router(a: argparse.Namespace, prefill: list[str], decode: list[str]) -> int:
+def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], decode: list[str]) -> int:
     import uvicorn
 
     from kvseal.faults import from_env, warn_if_on
@@ -167,7 +167,6 @@ def run_router(a: argparse.Namespace, prefill: list[str], decode: list[str]) -> 
     backend = DisaggBackend(tokenizer, a.served_model_name or name, prefill, decode,
                             max_model_len=a.max_model_len, wait_timeout_s=a.wait_timeout,
                             capacity_check=not faults.incident)
-    scfg = server_config(a)
     logging.getLogger("kvseal").info("router on http://%s:%d: prefill %s, decode %s", scfg.host, scfg.port,
                                      prefill, decode)
     try:  # seal 7 before the first request: a fleet that cannot hold the window never serves
@@ -191,7 +190,7 @@ def cmd_router(a: argparse.Namespace) -> int:
     if not a.prefill or not a.decode:
         print("kvseal router: give at least one --prefill HOST:PORT and one --decode HOST:PORT", file=sys.stderr)
         return 2
-    return run_router(a, [_endpoint(x) for x in a.prefill], [_endpoint(x) for x in a.decode])
+    return run_router(a, server_config(a), [_endpoint(x) for x in a.prefill], [_endpoint(x) for x in a.decode])
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -199,13 +198,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return cmd_serve_unified(a)
     from kvseal.launch import Fleet
 
+    scfg = server_config(a)  # a bad --api-keys file stops us before any worker starts
     argv = _without(engine_argv(a), "--threads")
     p_threads, d_threads = worker_threads(a, os.cpu_count() or 1)
     prefill_argv = argv if a.prefill_kv_pool_tokens is None else [
         *_without(argv, "--kv-pool-tokens", "--kv-pool-bytes"), "--kv-pool-tokens", str(a.prefill_kv_pool_tokens)]
     with Fleet([*prefill_argv, "--threads", str(p_threads)], [*argv, "--threads", str(d_threads)],
                a.prefill, a.decode) as fleet:
-        return run_router(a, fleet.prefill_endpoints, fleet.decode_endpoints)
+        return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints)
 
 
 def worker_threads(a: argparse.Namespace, cores: int) -> tuple[int, int]:

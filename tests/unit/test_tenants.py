@@ -128,3 +128,16 @@ def test_prefill_routing_without_a_match_takes_the_least_loaded() -> None:
     aff = PrefixAffinity()
     workers = [FakeWorker("a", 2), FakeWorker("b", 0), FakeWorker("c", 1)]
     assert all(aff.pick(workers, _req([i] * 48), 16).endpoint == "b" for i in range(5))
+
+
+def test_serve_refuses_a_bad_key_file_before_starting_anything(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from kvseal.cli import main
+
+    f = tmp_path / "keys"
+    f.write_text("alice sk-secret-1 sk-secret-2\n")
+    for argv in (["serve", "--api-keys", str(f)], ["router", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",
+                                                  "--api-keys", str(f)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "--api-keys" in err and "line 1" in err and "sk-secret" not in err
