@@ -108,7 +108,11 @@ def test_bfloat16_kv_halves_the_pool_answers_alike_and_scrubs(smol: Checkpoint) 
     a, b = _run(f32, prompts, new=10), _run(bf16, prompts, new=10)
     assert "Paris" in smol.tokenizer.decode(b[0])
     assert a[0][:6] == b[0][:6]
-    assert not bool(bf16.pool.k.any()) and not bool(bf16.pool.v.any())  # every freed page was zeroed
+    cached = set(bf16.allocator.cached_pages())  # full prompt pages stay in the prefix cache, read-only
+    freed = [p for p in range(bf16.pool.num_pages) if p not in cached]
+    assert cached and not bool(bf16.pool.k[:, freed].any()) and not bool(bf16.pool.v[:, freed].any())  # zeroed
+    bf16.prefix_cache.clear()
+    assert not bool(bf16.pool.k.any()) and not bool(bf16.pool.v.any())  # every evicted page was zeroed too
 
 
 def test_a_bad_span_is_refused_before_any_kv_is_written(smol: Checkpoint) -> None:
