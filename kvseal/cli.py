@@ -69,8 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a request may wait for KV pages before it gets 503")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch in this process (default: torch's choice; `kvseal serve` splits "
-                        "the cores among its workers)")
+                   help="CPU threads for torch and the kernels in this process (default: `kvseal serve` splits the "
+                        "cores among its workers; `kvseal serve --unified` uses every core for prompt chunks of "
+                        "256 tokens or more and leaves one to the HTTP server on smaller steps)")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -227,6 +228,12 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
 
     cfg, scfg = engine_config(a), server_config(a)
     engine = Engine(cfg)
+    cores = os.cpu_count() or 1
+    if a.threads is None and cores >= 2:
+        # the HTTP side (parsing, templates, one SSE event per token) runs in this process too: decode steps leave
+        # it a core (measured on 2 cores: 1.2-1.9x the tok/s of two engine threads over HTTP, docs/benchmarks.md),
+        # prompt chunks of 256 tokens and more take every core
+        engine.step_threads = (cores - 1, cores, 256)
     backend = UnifiedBackend(engine, cfg.model.served_name)
     info = engine.info()
     logging.getLogger("kvseal").info(

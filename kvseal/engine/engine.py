@@ -86,6 +86,10 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self._out: list[GenerateDelta] = []
         self._rng = torch.Generator().manual_seed(cfg.seed)
+        # (threads for small steps, threads for steps of at least `big` tokens, big): an engine that shares its
+        # process with the HTTP server leaves it a core on decode steps and takes them all for prompt chunks
+        self.step_threads: tuple[int, int, int] | None = None
+        self._threads_now = 0
 
     # -- what this engine is -------------------------------------------------------------------------
     def info(self) -> dict[str, object]:
@@ -196,6 +200,8 @@ class Engine:
             if seq.life.state is State.ADMITTED:
                 seq.life.advance(State.PREFILLING)
         if batch.seqs:
+            if self.step_threads is not None:
+                self._set_step_threads(sum(batch.num_new))
             result = self.runner.run(batch)
             for seq in result.violations:
                 self._end(seq, partial(seq.life.fail, PageOwnershipViolation(
@@ -218,6 +224,16 @@ class Engine:
         # past the seal-5 check every page here is seq's own or held by it: insert() cannot raise NotOwner
         full = len(seq.prompt_ids) // self.pool.page_size
         self.prefix_cache.insert(seq.owner, seq.cache_ns, seq.cache_keys[:full], seq.pages[:full])
+
+    def _set_step_threads(self, tokens: int) -> None:
+        assert self.step_threads is not None
+        small, big, big_from = self.step_threads
+        n = big if tokens >= big_from else small
+        if n != self._threads_now and self.kernels == "native":
+            from kvseal.kernels.ops import set_threads
+
+            set_threads(n)
+            self._threads_now = n
 
     def _on_sampled(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> None:
         """A sequence's next token is due; the prefill engine hands off here instead."""

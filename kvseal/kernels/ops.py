@@ -92,6 +92,11 @@ class QWeight:
         return self.data.numel()
 
 
+def set_threads(n: int) -> None:
+    """The calling thread's kernel calls use n threads from now on."""
+    lib().kvs_set_threads(n)
+
+
 def match_torch_threads() -> None:
     """Give the calling thread's kernel calls torch's thread count (OpenMP's is per thread; an engine that steps
     on a thread of its own would otherwise use every core whatever --threads says)."""
