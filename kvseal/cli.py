@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
@@ -64,14 +65,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="per-step token budget; longer prompts are prefilled in chunks of this size")
-    p.add_argument("--max-waiting", type=int, default=1024, help="queued requests beyond this get 503")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests that may wait for KV pages (in arrival order); beyond this, 503 with Retry-After")
     p.add_argument("--wait-timeout", type=float, default=60.0,
-                   help="seconds a request may wait for KV pages before it gets 503")
+                   help="a request waiting for KV pages gets 503 when no page at all was freed for this many "
+                        "seconds (a busy worker that frees pages is waited out)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch and the kernels in this process (default: `kvseal serve` splits the "
                         "cores among its workers; `kvseal serve --unified` uses every core for prompt chunks of "
                         "256 tokens or more and leaves one to the HTTP server on smaller steps)")
+
+
+def add_test_faults_arg(p: argparse.ArgumentParser) -> None:
+    # test-only, absent from --help on purpose: kvseal/faults.py
+    p.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -136,38 +144,44 @@ def _endpoint(hostport: str) -> str:
 
 def cmd_worker(a: argparse.Namespace) -> int:
     from kvseal.engine.disagg import DecodeEngine, PrefillEngine
-    from kvseal.faults import from_env, warn_if_on
+    from kvseal.faults import hooks_from_spec
     from kvseal.worker.decode import DecodeWorker
+    from kvseal.worker.join import Registration
     from kvseal.worker.prefill import PrefillWorker
+    from kvseal.worker.server import WorkerServer
 
-    faults = from_env()
-    warn_if_on(faults, f"kvseal {a.command}")
+    hooks = hooks_from_spec(a.test_faults, f"kvseal {a.command}")
     cfg = engine_config(a)
-    if faults.incident:  # test-only: the 2026 bug did not scrub freed pages
-        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, scrub=False))
+    scrub = hooks.scrub_pages(cfg.cache.scrub)
+    if scrub != cfg.cache.scrub:
+        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, scrub=scrub))
     bind = f"tcp://{a.host}:{a.port}"
+    server: WorkerServer
     if a.command == "prefill":
-        PrefillWorker(PrefillEngine(cfg), bind, faults, a.transfer_timeout).run()
+        server = PrefillWorker(PrefillEngine(cfg), bind, hooks, a.transfer_timeout, a.drain_timeout)
     else:
-        DecodeWorker(DecodeEngine(cfg), bind, f"tcp://{a.kv_host or a.host}:{a.kv_port}", faults,
-                     a.reservation_timeout).run()
-    return 0
+        server = DecodeWorker(DecodeEngine(cfg), bind, f"tcp://{a.kv_host or a.host}:{a.kv_port}", hooks,
+                              a.reservation_timeout, a.drain_timeout)
+    if a.router:
+        port = server.endpoint.rsplit(":", 1)[1]
+        server.join = Registration(server.ctx, _endpoint(a.router), a.command,
+                                   f"tcp://{a.advertise_host or a.host}:{port}")
+    return server.run()
 
 
 def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], decode: list[str]) -> int:
     import uvicorn
 
-    from kvseal.faults import from_env, warn_if_on
+    from kvseal.faults import hooks_from_spec
     from kvseal.model.loader import load_tokenizer
     from kvseal.router.api import build_app
     from kvseal.router.disagg import DisaggBackend
 
-    faults = from_env()
-    warn_if_on(faults, "kvseal router")
+    hooks = hooks_from_spec(a.test_faults, "kvseal router")
     tokenizer, name = load_tokenizer(a.model)
     backend = DisaggBackend(tokenizer, a.served_model_name or name, prefill, decode,
-                            max_model_len=a.max_model_len, wait_timeout_s=a.wait_timeout,
-                            capacity_check=not faults.incident)
+                            max_model_len=a.max_model_len, hooks=hooks,
+                            fleet_bind=f"tcp://{a.fleet_host or a.host}:{a.fleet_port}")
     logging.getLogger("kvseal").info("router on http://%s:%d: prefill %s, decode %s", scfg.host, scfg.port,
                                      prefill, decode)
     try:  # seal 7 before the first request: a fleet that cannot hold the window never serves
@@ -177,6 +191,32 @@ def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], de
         return 3
     uvicorn.run(build_app(backend, scfg), host=scfg.host, port=scfg.port, log_level=a.log_level,
                 timeout_graceful_shutdown=5)
+    return 0
+
+
+def cmd_drain(a: argparse.Namespace) -> int:
+    """Ask a worker to drain: it takes no new request, finishes those in flight, then exits."""
+    import zmq
+
+    from kvseal.worker import protocol as P
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(_endpoint(a.worker))
+        sock.send(P.encode(P.DrainReq(call_id=1)))
+        deadline = time.monotonic() + a.timeout
+        resp: P.Message | None = None
+        while not isinstance(resp, P.DrainResp):  # the worker tells every peer it drains: skip that notice
+            if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                print(f"kvseal drain: {a.worker} did not answer within {a.timeout:g}s", file=sys.stderr)
+                return 1
+            resp = P.decode(sock.recv())
+    finally:
+        sock.close(0)
+        ctx.term()
+    print(f"{a.worker} is draining: {resp.inflight} request(s) to finish, then it exits")
     return 0
 
 
@@ -202,8 +242,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     scfg = server_config(a)  # a bad --api-keys file stops us before any worker starts
     argv = _without(engine_argv(a), "--threads")
     p_threads, d_threads = worker_threads(a, os.cpu_count() or 1)
-    prefill_argv = argv if a.prefill_kv_pool_tokens is None else [
+    prefill_argv = list(argv) if a.prefill_kv_pool_tokens is None else [
         *_without(argv, "--kv-pool-tokens", "--kv-pool-bytes"), "--kv-pool-tokens", str(a.prefill_kv_pool_tokens)]
+    if a.test_faults:  # given to every process of this fleet, never through the environment
+        argv += ["--test-faults", a.test_faults]
+        prefill_argv += ["--test-faults", a.test_faults]
     with Fleet([*prefill_argv, "--threads", str(p_threads)], [*argv, "--threads", str(d_threads)],
                a.prefill, a.decode) as fleet:
         return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints)
@@ -276,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "among the workers)")
     serve.add_argument("--decode-threads", type=int, default=None,
                        help="CPU threads per decode worker (default: as --prefill-threads)")
+    serve.add_argument("--fleet-port", type=int, default=0, help="as for `kvseal router`")
+    serve.add_argument("--fleet-host", default=None, help="as for `kvseal router`")
+    add_test_faults_arg(serve)
     serve.set_defaults(func=cmd_serve)
 
     for role in ("prefill", "decode"):
@@ -285,6 +331,15 @@ def build_parser() -> argparse.ArgumentParser:
         w.add_argument("--host", default="127.0.0.1", help="address of the control socket")
         w.add_argument("--port", type=int, default=0, help="control port (0: any free port)")
         w.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+        w.add_argument("--router", default=None, metavar="HOST:PORT",
+                       help="join a running router at its fleet endpoint (its --fleet-port); the router checks "
+                            "this worker like one it started with (seal 7) and exits it with the reason if not")
+        w.add_argument("--advertise-host", default=None,
+                       help="the address the router should connect to (default: --host)")
+        w.add_argument("--drain-timeout", type=float, default=600.0,
+                       help="on SIGTERM or `kvseal drain`, seconds to finish the requests in flight before the "
+                            "rest fail")
+        add_test_faults_arg(w)
         if role == "prefill":
             w.add_argument("--transfer-timeout", type=float, default=60.0,
                            help="seconds to wait for decode to acknowledge a KV handoff")
@@ -305,10 +360,19 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--max-model-len", type=int, default=None,
                         help="the context window to serve (default: the workers' model window)")
     router.add_argument("--served-model-name", default=None, help="the model id in the API")
-    router.add_argument("--wait-timeout", type=float, default=60.0,
-                        help="seconds a request may wait for decode pages before it gets 503")
+    router.add_argument("--fleet-port", type=int, default=0,
+                        help="port where workers started with --router HOST:PORT join (0: any free port; the "
+                             "one chosen is in the log and in /info as fleet_endpoint)")
+    router.add_argument("--fleet-host", default=None, help="address of the fleet port (default: --host)")
     add_server_args(router, 8000)
+    add_test_faults_arg(router)
     router.set_defaults(func=cmd_router)
+
+    drain = sub.add_parser("drain", help="drain a worker: it takes no new request, finishes those in flight, then "
+                           "exits (as on SIGTERM)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    drain.add_argument("worker", metavar="HOST:PORT", help="the worker's control endpoint")
+    drain.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the worker's answer")
+    drain.set_defaults(func=cmd_drain)
 
     from kvseal.audit.__main__ import add_audit_args  # argparse only; the audit loads when it runs
 

@@ -61,8 +61,8 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one batch
     max_num_batched_tokens: int = 512  # per-step token budget; long prompts are prefilled in chunks
-    max_waiting: int = 1024  # queued requests beyond this get 503 at once
-    wait_timeout_s: float = 60.0  # a request that waits this long for pages gets 503
+    max_waiting: int = 1024  # requests waiting for pages beyond this get 503 at once
+    wait_timeout_s: float = 60.0  # 503 for a request waiting for pages when none was freed for this long
 
     def __post_init__(self) -> None:
         _need(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "give a positive number")

@@ -77,6 +77,18 @@ class Overloaded(KvsealError):
     status, type, code = 503, "server_error", "overloaded"
 
 
+class NoWorkerAvailable(Overloaded):
+    """No worker of a role is serving: none configured is up, or every one failed the fleet check (seal 7)."""
+
+    code = "no_worker"
+
+
+class WorkerDraining(Overloaded):
+    """The worker is draining (SIGTERM or `kvseal drain`): it finishes what it has and takes nothing new."""
+
+    code = "worker_draining"
+
+
 class RequestAborted(KvsealError):
     """The request was aborted (client disconnect, shutdown, explicit abort)."""
 
@@ -87,6 +99,12 @@ class WorkerFailed(KvsealError):
     """A worker died, timed out or answered something it should not have."""
 
     status, type, code = 502, "server_error", "worker_failed"
+
+
+class StreamBroken(WorkerFailed):
+    """A request's output arrived with a hole (a delta lost, repeated or out of order): the answer is incomplete."""
+
+    code = "stream_incomplete"
 
 
 class TransferTimeout(WorkerFailed):

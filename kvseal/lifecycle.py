@@ -90,6 +90,13 @@ class Lifecycle:
     def terminal(self) -> bool:
         return self.state in TERMINAL
 
+    @property
+    def ended_from(self) -> State:
+        """The state the request was in when it ended (its current state while it has not ended)."""
+        if not self.terminal:
+            return self.state
+        return self.history[-2][0] if len(self.history) > 1 else State.RECEIVED
+
     def advance(self, to: State) -> None:
         """A forward move. Raises IllegalTransition for an edge that does not exist (incl. out of terminal)."""
         if to in TERMINAL:

@@ -86,9 +86,10 @@ class PrefillEngine(Engine):
         else:
             self._end(seq, lambda: seq.life.fail(error))
 
-    def abort(self, request_id: str, cause: KvsealError | None = None) -> None:
-        self.handoffs.pop(request_id, None)
-        super().abort(request_id, cause)
+    def _forget(self, request_id: str) -> None:
+        h = self.handoffs.pop(request_id, None)
+        if h is not None:
+            self._ready = [x for x in self._ready if x is not h]
 
 
 
@@ -112,17 +113,22 @@ class DecodeEngine(Engine):
     def accept(self, manifest: KVManifest, payload: PagePayload, check: bool = True) -> None:
         """KV arrived: verify it against the reservation (seal 4), write it into the reserved pages and admit
         the request. On any mismatch the request FAILS (pages scrubbed and freed) and the error is raised
-        for the sender's nack. `check=False` exists only for the test-only incident fault."""
+        for the sender's nack; an arrival for no live reservation (never made, released, expired, failed,
+        already used) is refused and changes nothing. `check=False` exists only for the test-only incident
+        fault."""
         rid = manifest.request_id
-        res = self.reservations.pop(rid, None)
+        res = self.reservations.get(rid)
         entry = self.reserved.get(rid)
-        if res is None or entry is None:
+        if res is None or entry is None or entry[0].life.state is not State.RESERVED:
             raise TransferVerificationFailed(f"KV arrived for request {rid!r}, which holds no reservation here")
-        entry[0].life.advance(State.TRANSFERRING)
+        seq = entry[0]
+        self.reservations.pop(rid, None)  # one arrival per reservation: a second one finds nothing
+        seq.life.advance(State.TRANSFERRING)
         try:
             if check:
                 verify(manifest, res, payload, expected_fingerprint=self.fingerprint,
-                       page_bytes=page_nbytes(self.pool.k))
+                       page_bytes=page_nbytes(self.pool.k), vocab_size=self.arch.vocab_size,
+                       logprobs=seq.params.logprobs)
         except TransferVerificationFailed as err:
             self.release(rid, err, rejected=False)
             raise
@@ -138,14 +144,10 @@ class DecodeEngine(Engine):
             assert final.error is not None
             raise KvsealError.from_info(final.error)
         seq.life.advance(State.RESERVED)
-        need = -(-len(seq.prompt_ids) // self.pool.page_size)
-        # Requests already here come first: pages that waiting (e.g. preempted) sequences need to run again
-        # are not handed to new reservations, or a stream of new arrivals could starve them.
-        owed = sum(max(-(-(s.num_tokens + 1) // self.pool.page_size) - len(s.pages), 0)
-                   for s in self.scheduler.waiting)
+        need = self.pages_for_prompt(len(seq.prompt_ids))
         try:
-            if self.allocator.num_free - owed < need:
-                raise OutOfPages(f"{need} pages wanted, {self.allocator.num_free} free, {owed} owed to waiting ones")
+            if self.pages_available() < need:
+                raise OutOfPages(f"{need} pages wanted, {self.pages_available()} available")
             seq.pages = self.allocator.allocate(seq.owner, need)
         except OutOfPages:
             seq.life.reject(Overloaded("the decode worker has no free KV pages right now; retry later"))
@@ -153,6 +155,17 @@ class DecodeEngine(Engine):
             raise seq.life.outcome.error from None  # type: ignore[union-attr, misc]
         self.reserved[req.request_id] = (seq, time.monotonic() + timeout_s)
         return seq
+
+    def pages_for_prompt(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.pool.page_size)
+
+    def pages_available(self) -> int:
+        """Free pages a new reservation may take. Requests already here come first: pages that waiting (e.g.
+        preempted) sequences need to run again are not handed out, or a stream of new arrivals could starve
+        them."""
+        owed = sum(max(-(-(s.num_tokens + 1) // self.pool.page_size) - len(s.pages), 0)
+                   for s in self.scheduler.waiting)
+        return self.allocator.num_free - owed
 
     def admit_verified(self, request_id: str, first_token: int, first_logprob: TokenLogprob | None) -> None:
         """The arrived KV matched the reservation and sits in seq.pages: join the batch."""
@@ -186,7 +199,6 @@ class DecodeEngine(Engine):
                     f"request {rid}: the prefill worker's KV did not arrive in time; reservation released"),
                     rejected=False)
 
-    def abort(self, request_id: str, cause: KvsealError | None = None) -> None:
+    def _forget(self, request_id: str) -> None:
         self.reserved.pop(request_id, None)
         self.reservations.pop(request_id, None)
-        super().abort(request_id, cause)

@@ -16,6 +16,7 @@ import torch
 
 from kvseal.config import EngineConfig
 from kvseal.engine.messages import SCHEMA_VERSION, GenerateDelta, GenerateRequest, TokenLogprob
+from kvseal.engine.params import check_sampling
 from kvseal.engine.runner import ModelRunner
 from kvseal.engine.sampling import sample
 from kvseal.engine.scheduler import Scheduler
@@ -162,6 +163,7 @@ class Engine:
             if req.request_id in self.seqs:
                 raise InvalidRequest(f"request id {req.request_id!r} is already in use")
             self.validate(len(req.prompt_ids), req.params.max_tokens)
+            check_sampling(req.params)
             if len(self.scheduler.waiting) >= self.cfg.scheduler.max_waiting:
                 raise Overloaded("the server is overloaded: too many queued requests; retry later")
             if any(t < 0 or t >= self.arch.vocab_size for t in req.prompt_ids):
@@ -175,17 +177,30 @@ class Engine:
         return seq
 
     def abort(self, request_id: str, cause: KvsealError | None = None) -> None:
+        self._forget(request_id)
         seq = self.seqs.get(request_id)
         if seq is None:
             return
         self._end(seq, partial(seq.life.abort, cause or RequestAborted(f"request {request_id} was aborted")))
 
+    def fail(self, request_id: str, error: KvsealError) -> None:
+        """End one live request FAILED with `error`, pages freed; an unknown or ended request: nothing."""
+        self._forget(request_id)
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            self._end(seq, partial(seq.life.fail, error))
+
     def fail_all(self, error: KvsealError) -> list[GenerateDelta]:
-        """After an internal fault: end every live request FAILED with `error`, pages freed."""
+        """After an internal fault: end every live request FAILED with `error`, pages freed, and no book of a
+        role (reservations, handoffs) keeps naming one of them, so a late peer message finds nothing."""
         for seq in list(self.seqs.values()):
+            self._forget(seq.request_id)
             self._end(seq, partial(seq.life.fail, error))
         out, self._out = self._out, []
         return out
+
+    def _forget(self, request_id: str) -> None:
+        """Drop what a role keeps about a request besides its Sequence (subclasses: reservations, handoffs)."""
 
     # -- one step ------------------------------------------------------------------------------------
     def step(self) -> list[GenerateDelta]:
@@ -295,7 +310,8 @@ class Engine:
                 return _with(d, final=outcome.finish_reason.value)
             case State.REJECTED | State.ABORTED | State.FAILED:
                 assert outcome.error is not None
-                return _with(d, final=outcome.state.value, error=outcome.error.to_info())
+                return _with(d, final=outcome.state.value, error=outcome.error.to_info(),
+                             stage=seq.life.ended_from.value)
             case _:
                 raise AssertionError(f"{seq.request_id}: final delta for non-terminal {outcome.state}")
 

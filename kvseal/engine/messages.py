@@ -62,3 +62,7 @@ class GenerateDelta(msgspec.Struct, frozen=True):
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details)
     v: int = SCHEMA_VERSION
+    # on a final delta with `error`: the state the request was in when it ended, and the worker where it did
+    # (for the router's one log line per failed request)
+    stage: str | None = None
+    worker: str | None = None

@@ -8,8 +8,10 @@ Policy, once per step, under a token budget:
      free now is skipped for this step. A sequence that starts (or restarts) from nothing first takes the
      longest cached prefix of its prompt under its own tenant key and is charged only for the rest; at least
      its last prompt token is always computed, for the logits.
-Waiting for pages is bounded: a sequence refused pages at every step for wait_timeout_s ends REJECTED with
-503. Waiting behind other requests' compute is not bounded here (the queue length is: max_waiting).
+Waiting is not a timeout while the engine makes progress: requests wait in arrival order, the queue's length is
+bounded (max_waiting, then 503 at once), and a busy engine frees pages as it finishes requests. Only a sequence
+refused pages at every step for wait_timeout_s while no page at all was freed (nothing can move) ends REJECTED
+with 503.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Scheduler:
         self.reused_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.last_freed = time.monotonic()  # when pages last went back to the free list: progress
 
     @property
     def num_unfinished(self) -> int:
@@ -101,10 +104,11 @@ class Scheduler:
         return batch, preempted
 
     def expired(self, now: float) -> list[Sequence]:
-        """Waiting sequences that were never scheduled and were refused pages for longer than the limit."""
+        """Waiting sequences that were never scheduled and were refused pages for longer than the limit, during
+        which no page was freed."""
         limit = self.cfg.wait_timeout_s
         return [s for s in self.waiting if s.first_scheduled is None and s.blocked_since is not None
-                and now - s.blocked_since > limit]
+                and now - max(s.blocked_since, self.last_freed) > limit]
 
     def remove(self, seq: Sequence) -> None:
         """Take seq out of the queues, free its pages (scrubbed by the allocator), drop its cache references."""
@@ -148,3 +152,4 @@ class Scheduler:
         self.cache.release(seq.owner.key)
         self.allocator.free_all(seq.owner.key)
         seq.pages = []
+        self.last_freed = time.monotonic()

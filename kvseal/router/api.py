@@ -1,8 +1,10 @@
 """The OpenAI HTTP API over any Backend. Every failure leaves here as OpenAI-shaped JSON with its status.
 
 Never a 200 for a request that did not complete: a whole response is sent only after the final delta said
-FINISHED; a stream starts only after the first delta arrived, and a later failure ends it with an error
-event and no [DONE].
+FINISHED; a stream starts only after the first delta arrived, and a later failure (or a backend that stops
+without a final delta) ends it with an error event and no [DONE]. A 503 carries Retry-After. Every response
+carries X-Request-Id, and every request that did not complete is logged once (router/requestlog.py).
+Prompts are rendered and tokenized off the event loop (router/text.py).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -29,18 +30,32 @@ from kvseal.errors import (
     KvsealError,
     ModelNotFound,
     NotFound,
+    RequestAborted,
 )
 from kvseal.router.backend import Backend
 from kvseal.router.bodylimit import BodyLimit
 from kvseal.router.openai_format import ResponseBuilder, chat_logprobs, completion_logprobs, usage
 from kvseal.router.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
+from kvseal.router.requestlog import RequestLog, trace_of
 from kvseal.router.tenants import TenantAuth
+from kvseal.router.text import encode_text, render_chat
 
 log = logging.getLogger("kvseal.api")
 
 
+RETRY_AFTER_S = 1  # what a 503 (overloaded, queue full, no worker serving) tells the client to wait
+
+
 def error_response(err: KvsealError) -> JSONResponse:
-    return JSONResponse(err.to_openai(), status_code=err.status)
+    headers = {"retry-after": str(RETRY_AFTER_S)} if err.status == 503 else None
+    return JSONResponse(err.to_openai(), status_code=err.status, headers=headers)
+
+
+def failed(request: Request, err: KvsealError, last: GenerateDelta | None = None) -> JSONResponse:
+    """The error response for a request that reached the backend, its stage and worker noted for the log."""
+    trace_of(request.scope).failed(err.code, err.message, last.stage if last else None,
+                                   last.worker if last else None)
+    return error_response(err)
 
 
 def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
@@ -55,6 +70,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
     app = FastAPI(title="kvseal", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
     app.add_middleware(TenantAuth, api_keys=cfg.api_keys)  # added last: runs first, before any body is read
+    app.add_middleware(RequestLog)  # added last: outermost, it sees every response
 
     @app.exception_handler(KvsealError)
     async def _kvseal_error(_: Request, err: KvsealError) -> JSONResponse:
@@ -76,11 +92,6 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
         err.status = exc.status_code
         return error_response(err)
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(InternalError("internal error; the request was not completed"))
-
     def tenant_of(request: Request) -> str:
         return str(request.state.tenant)  # set by TenantAuth: "" when the server has no --api-keys
 
@@ -90,14 +101,14 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
             raise ModelNotFound(f"The model `{shown}` does not exist. This server serves `{backend.model_name}`.",
                                 param="model")
 
-    def encode(text: str, chat: bool) -> list[int]:
+    async def encode(text: str, chat: bool) -> list[int]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise InvalidRequest(f"the {'messages' if chat else 'prompt'} are not valid UTF-8 text "
                                  f"(a lone surrogate at position {exc.start})",
                                  param="messages" if chat else "prompt") from None
-        return backend.tokenizer.encode(text, add_special_tokens=not chat)
+        return await encode_text(backend.tokenizer, text, add_special_tokens=not chat)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -119,11 +130,10 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
         tenant = tenant_of(request)
         check_model(body.model)
         try:
-            text = backend.tokenizer.apply_chat_template(message_dicts(body.messages),
-                                                         add_generation_prompt=body.add_generation_prompt)
+            text = await render_chat(backend.tokenizer, message_dicts(body.messages), body.add_generation_prompt)
         except ValueError as exc:
             raise InvalidRequest(f"messages: {exc}", param="messages") from exc
-        ids = encode(text, chat=True)
+        ids = await encode(text, chat=True)
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await run(request, body, ids, max_tokens, top, tenant, chat=True)
@@ -138,7 +148,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
                 raise InvalidRequest("only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = encode(prompt, chat=False)
+            ids = await encode(prompt, chat=False)
         else:
             ids = [int(t) for t in prompt]
             if any(t >= backend.tokenizer.vocab_size for t in ids):
@@ -169,12 +179,12 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
             logprobs=top_logprobs,
             min_tokens=body.min_tokens,
         )
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        rid = ("chatcmpl-" if chat else "cmpl-") + trace_of(request.scope).request_id
         gen = backend.generate(GenerateRequest(rid, ids, params, tenant=tenant, cache_salt=body.cache_salt))
         builder = ResponseBuilder(rid, backend.model_name, chat, body.return_token_ids)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream(gen, builder, include_usage, chat)
+            return await stream(request, gen, builder, include_usage, chat)
         return await whole(request, gen, builder, chat)
 
     def format_lps(lps: list[TokenLogprob] | None, chat: bool, offset: int) -> dict[str, Any] | None:
@@ -182,6 +192,23 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
             return None
         tok = backend.tokenizer
         return chat_logprobs(tok, lps) if chat else completion_logprobs(tok, lps, offset)
+
+    async def until_done(request: Request, task: asyncio.Future[Any],
+                         gen: AsyncGenerator[GenerateDelta, None]) -> bool:
+        """Wait for task; False (task cancelled, request aborted, pages freed) when the client left first.
+        A request queued for pages waits here too: a client that leaves frees everything it held."""
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    await gen.aclose()  # aborts the request on every worker it reached
+                    return False
+        finally:
+            if not task.done():
+                task.cancel()
+        return True
 
     async def whole(request: Request, gen: AsyncGenerator[GenerateDelta, None], builder: ResponseBuilder,
                     chat: bool) -> JSONResponse:
@@ -200,40 +227,41 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
             raise InternalError("the backend ended a request without an outcome")
 
         task = asyncio.ensure_future(collect())
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.25)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                    await gen.aclose()  # aborts the request; its pages are freed
-                    return error_response(InvalidRequest("client disconnected"))
-            text, lps, last = task.result()
-        finally:
-            if not task.done():
-                task.cancel()
+        if not await until_done(request, task, gen):
+            return failed(request, RequestAborted("client disconnected"))
+        text, lps, last = task.result()
         if last.error is not None:
-            return error_response(KvsealError.from_info(last.error))
+            return failed(request, KvsealError.from_info(last.error), last)
         use = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
         return JSONResponse(builder.whole(text, last.final or "stop", format_lps(lps, chat, 0), use, ids))
 
-    async def stream(gen: AsyncGenerator[GenerateDelta, None], builder: ResponseBuilder, include_usage: bool,
-                     chat: bool) -> Any:
+    async def stream(request: Request, gen: AsyncGenerator[GenerateDelta, None], builder: ResponseBuilder,
+                     include_usage: bool, chat: bool) -> Any:
         # Wait for the first delta before committing to a 200: an error that comes first is a real status.
-        first = await gen.__anext__()
+        first_task = asyncio.ensure_future(gen.__anext__())
+        if not await until_done(request, first_task, gen):
+            return failed(request, RequestAborted("client disconnected"))
+        try:
+            first = first_task.result()
+        except StopAsyncIteration:
+            return failed(request, InternalError("the backend ended a request without an outcome"))
         if first.final is not None and first.error is not None:
             await gen.aclose()
-            return error_response(KvsealError.from_info(first.error))
+            return failed(request, KvsealError.from_info(first.error), first)
+        trace = trace_of(request.scope)
 
         async def events() -> AsyncIterator[str]:
             offset = 0
+            d: GenerateDelta | None = first
             try:
                 if chat:
                     yield _sse(builder.chunk("", None, None, role=True))
-                d: GenerateDelta | None = first
                 while d is not None:
                     if d.error is not None:
-                        yield _sse(KvsealError.from_info(d.error).to_openai())
+                        err = KvsealError.from_info(d.error)
+                        trace.failed(err.code, err.message, d.stage, d.worker)
+                        trace.stream_error = True
+                        yield _sse(err.to_openai())
                         return
                     finish = d.final
                     if d.text or d.logprobs or finish:
@@ -246,7 +274,12 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
                                                                  d.cached_tokens)))
                         yield "data: [DONE]\n\n"
                         return
-                    d = await gen.__anext__()
+                    d = await anext(gen, None)
+                # the backend stopped without a final delta: the answer is incomplete, never a clean end
+                err = InternalError("the backend ended the stream without an outcome; the answer is incomplete")
+                trace.failed(err.code, err.message, None, None)
+                trace.stream_error = True
+                yield _sse(err.to_openai())
             finally:
                 await gen.aclose()  # a disconnect cancels this generator: the request is aborted
 

@@ -2,7 +2,13 @@
 
 The router keeps the request's one Lifecycle. It never yields a token before decode verified the handoff
 (decode only streams after verification), a prefill refusal releases the decode reservation and reaches
-the client with its original error (seal 3), and every wait has a timeout.
+the client with its original error (seal 3), and every wait ends: a busy fleet is waited out for as long as
+its workers answer (a request queued for decode pages or behind other prompts is not a timeout), while a
+worker that dies or goes silent fails its requests at once, and a started handoff is bounded.
+
+The fleet stays sealed after start (seal 7): a worker gets requests only while it is SERVING, which it reaches
+only by passing the full check (router/registry.py check_worker) whenever it connects, reconnects, registers
+through the fleet socket (`kvseal prefill|decode --router`), or answers as a new process.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
+import zmq
 import zmq.asyncio
 
 from kvseal.engine.messages import GenerateDelta, GenerateRequest
@@ -22,36 +29,44 @@ from kvseal.errors import (
     CapacityMismatch,
     ErrorInfo,
     KvsealError,
+    NoWorkerAvailable,
     Overloaded,
     RequestAborted,
     TransferTimeout,
+    WorkerDraining,
     WorkerFailed,
 )
+from kvseal.hooks import NO_FAULTS, Hooks
+from kvseal.identity import tokenizer_digest
 from kvseal.lifecycle import FinishReason, Lifecycle, State
 from kvseal.model.tokenizer import Tokenizer
 from kvseal.router.affinity import PrefixAffinity
-from kvseal.router.registry import check_fleet, served_window
+from kvseal.router.registry import FleetSpec, check_fleet, check_worker, served_window
 from kvseal.router.workers import WorkerClient
 from kvseal.worker import protocol as P
 
 log = logging.getLogger("kvseal.router")
+_PICK_ATTEMPTS = 4  # a decode worker that started draining after it was picked: pick another
 
 
 class DisaggBackend:
     def __init__(self, tokenizer: Tokenizer, model_name: str | None, prefill: list[str], decode: list[str],
                  max_model_len: int | None = None, startup_timeout_s: float = 300.0,
                  handoff_timeout_s: float = 600.0, stall_timeout_s: float = 120.0, renew_every_s: float = 10.0,
-                 wait_timeout_s: float = 60.0, capacity_check: bool = True) -> None:
+                 hooks: Hooks = NO_FAULTS, fleet_bind: str | None = None) -> None:
         self.tokenizer = tokenizer
         self._name = model_name
         self.model_name = model_name or ""
         self.prefill_eps, self.decode_eps = prefill, decode
         self.max_model_len = max_model_len
         self.startup_timeout_s, self.handoff_timeout_s = startup_timeout_s, handoff_timeout_s
-        self.stall_timeout_s, self.wait_timeout_s = stall_timeout_s, wait_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.renew_every_s = renew_every_s  # at most this, and at most a quarter of decode's reservation timeout
+        self.hooks = hooks
+        self.fleet_bind = fleet_bind
+        self.fleet_endpoint: str | None = None
         self.context_window = 0
-        self.capacity_check = capacity_check  # False only under the test-only incident fault
+        self.spec: FleetSpec | None = None
         self.prefills: list[WorkerClient] = []
         self.decodes: list[WorkerClient] = []
         self.lifecycles: dict[str, Lifecycle] = {}  # live requests only
@@ -59,15 +74,17 @@ class DisaggBackend:
                                                            State.FAILED)}
         self._ctx: zmq.asyncio.Context | None = None
         self.affinity = PrefixAffinity()  # which prefill worker likely holds a prompt's prefix
+        self._fleet_sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     # -- fleet ----------------------------------------------------------------------------------------
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self.prefills = [WorkerClient("prefill", ep, self._ctx) for ep in self.prefill_eps]
-        self.decodes = [WorkerClient("decode", ep, self._ctx) for ep in self.decode_eps]
+        self.prefills = [self._client("prefill", ep) for ep in self.prefill_eps]
+        self.decodes = [self._client("decode", ep) for ep in self.decode_eps]
         workers = self.prefills + self.decodes
         for w in workers:
-            w.start()
+            w.open()
         deadline = time.monotonic() + self.startup_timeout_s
         for w in workers:
             while True:
@@ -82,18 +99,78 @@ class DisaggBackend:
             self.context_window = served_window(infos, self.max_model_len)
             check_fleet(infos, self.context_window)
         except CapacityMismatch as err:
-            if not self.capacity_check:  # the 2026 behaviour, test-only: a warning, and serve anyway
-                log.warning("capacity mismatch ignored (incident fault on): %s", err.message)
-            else:
+            if self.hooks.capacity_check():
                 log.error("refusing to start: %s", err.message)
                 raise
+            log.warning("capacity mismatch ignored (test fault): %s", err.message)  # the 2026 behaviour
+        self.spec = FleetSpec.of(infos, self.context_window, tokenizer_digest(self.tokenizer), self.hooks.spec)
+        for w in workers:
+            self._check(w, w.info)  # tokenizer and test faults too: a fleet that fails never serves
+        for w in workers:
+            w.admitted(w.info)
+            w.watch()
         self.model_name = self._name or str(workers[0].info["model"])
-        log.info("serving %s from %d prefill and %d decode workers; context window %d tokens",
-                 self.model_name, len(self.prefills), len(self.decodes), self.context_window)
+        if self.fleet_bind is not None:
+            self._fleet_sock = self._ctx.socket(zmq.ROUTER)
+            self._fleet_sock.setsockopt(zmq.LINGER, 0)
+            self._fleet_sock.bind(self.fleet_bind)
+            self.fleet_endpoint = self._fleet_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._tasks.append(asyncio.ensure_future(self._fleet_loop()))
+        log.info("serving %s from %d prefill and %d decode workers; context window %d tokens; workers join at %s",
+                 self.model_name, len(self.prefills), len(self.decodes), self.context_window,
+                 self.fleet_endpoint or "(no fleet socket)")
+
+    def _client(self, role: str, endpoint: str, registered: bool = False) -> WorkerClient:
+        assert self._ctx is not None
+        return WorkerClient(role, endpoint, self._ctx, self._check, registered=registered)
+
+    def _check(self, w: WorkerClient, info: dict[str, Any]) -> None:
+        assert self.spec is not None
+        check_worker(w.name, w.role, info, self.spec, capacity=self.hooks.capacity_check())
+
+    async def _fleet_loop(self) -> None:
+        """Workers started with --router ask to join here; each is checked in full before its answer."""
+        assert self._fleet_sock is not None
+        while True:
+            frames = await self._fleet_sock.recv_multipart()
+            if len(frames) != 2:
+                continue
+            try:
+                msg = P.decode(frames[1])
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("dropping a malformed message on the fleet socket: %s", exc)
+                continue
+            if isinstance(msg, P.JoinReq):
+                self._tasks.append(asyncio.ensure_future(self._join(frames[0], msg)))
+
+    async def _join(self, ident: bytes, req: P.JoinReq) -> None:
+        assert self._fleet_sock is not None
+        accepted, reason = False, ""
+        if req.role not in ("prefill", "decode") or not req.endpoint.startswith("tcp://"):
+            reason = f"a join needs role prefill or decode and a tcp:// endpoint, got {req.role!r} {req.endpoint!r}"
+        else:
+            pool = self.prefills if req.role == "prefill" else self.decodes
+            w = next((x for x in pool if x.endpoint == req.endpoint), None)
+            if w is None:
+                w = self._client(req.role, req.endpoint, registered=True)
+                pool.append(w)
+                w.open()
+                w.watch()
+            await w.join()
+            accepted, reason = w.member.serving, w.member.reason
+        log.log(logging.INFO if accepted else logging.ERROR, "join of %s %s: %s", req.role, req.endpoint,
+                "accepted" if accepted else f"refused: {reason}")
+        await self._fleet_sock.send_multipart([ident, P.encode(P.JoinResp(
+            call_id=req.call_id, accepted=accepted, reason=reason, context_window=self.context_window))])
 
     async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for w in self.prefills + self.decodes:
             await w.close()
+        if self._fleet_sock is not None:
+            self._fleet_sock.close(0)
         if self._ctx is not None:
             self._ctx.term()
 
@@ -101,25 +178,33 @@ class DisaggBackend:
         return any(w.alive for w in self.prefills) and any(w.alive for w in self.decodes)
 
     async def info(self) -> dict[str, Any]:
-        # fresh from every live worker (the heartbeat's copy may be a second old); a worker that does not
-        # answer within 2 s is shown with its last known figures and alive as the heartbeat last saw it
-        live = [w for w in self.prefills + self.decodes if w.alive]
+        # fresh from every connected worker (the heartbeat's copy may be a second old); a worker that does not
+        # answer within 2 s is shown with its last known figures
+        live = [w for w in self.prefills + self.decodes if w.member.connected]
         await asyncio.gather(*(w.fetch_info(timeout=2.0) for w in live), return_exceptions=True)
-        workers = [{"role": w.role, "endpoint": w.endpoint, "alive": w.alive, "inflight": w.inflight,
-                    **w.info} for w in self.prefills + self.decodes]
+        workers = [{**w.info, "role": w.role, "endpoint": w.endpoint, "alive": w.alive,
+                    "state": w.member.standing.value, "reason": w.member.reason, "registered": w.registered,
+                    "inflight": w.inflight} for w in self.prefills + self.decodes]
+        serving = [w for w in workers if w["alive"]] or workers
         return {"role": "router", "model": self.model_name, "context_window": self.context_window,
-                "model_fingerprint": workers[0].get("model_fingerprint"),
-                "pool_tokens": min(int(w.get("pool_tokens", 0)) for w in workers),
-                "page_size": workers[0].get("page_size"), "kv_dtype": workers[0].get("kv_dtype"),
+                "model_fingerprint": serving[0].get("model_fingerprint"),
+                "pool_tokens": min(int(w.get("pool_tokens", 0)) for w in serving),
+                "page_size": serving[0].get("page_size"), "kv_dtype": serving[0].get("kv_dtype"),
+                "tokenizer_digest": self.spec.tokenizer_digest if self.spec else None,
+                "test_faults": self.hooks.spec, "fleet_endpoint": self.fleet_endpoint,
                 "live_requests": len(self.lifecycles), "ended": dict(self.ended),
                 "routed_by_prefix": self.affinity.routed_by_prefix, "workers": workers}
 
-    def _pick(self, pool: list[WorkerClient], req: GenerateRequest | None = None) -> WorkerClient:
-        """The least loaded live worker (ties at random); for prefill with `req`, the one most likely to hold
-        the prompt's prefix in its cache unless that one is much busier (router/affinity.py)."""
+    def _pick(self, pool: list[WorkerClient], role: str, req: GenerateRequest | None = None) -> WorkerClient:
+        """The least loaded serving worker (ties at random); for prefill with `req`, the one most likely to hold
+        the prompt's prefix in its cache unless that one is much busier (router/affinity.py). None serving:
+        503 with each worker's state and why."""
         live = [w for w in pool if w.alive]
         if not live:
-            raise WorkerFailed(f"no live {pool[0].role} worker")
+            out = "; ".join(f"{w.endpoint} {w.member.standing.value}" + (f" ({w.member.reason})" if
+                            w.member.reason else "") for w in pool)
+            raise NoWorkerAvailable(f"no {role} worker is serving right now ({out or 'none configured'}); "
+                                    f"retry later")
         if req is not None:
             return self.affinity.pick(live, req, int(live[0].info.get("page_size", 16)))
         least = min(w.inflight for w in live)
@@ -131,24 +216,32 @@ class DisaggBackend:
         life = Lifecycle(rid)
         self.lifecycles[rid] = life
         life.advance(State.ADMITTED)
-        prefill = decode = None
+        prefill = decode = where = None
         q: asyncio.Queue[GenerateDelta | ErrorInfo] | None = None
         prefill_task: asyncio.Task[P.Message] | None = None
         try:
-            prefill, decode = self._pick(self.prefills, req), self._pick(self.decodes)
+            where = prefill = self._pick(self.prefills, "prefill", req)
             prefill.inflight += 1
-            decode.inflight += 1
-            reservation = await self._reserve(decode, req)
+            for attempt in range(_PICK_ATTEMPTS):
+                # the decode worker is known before the wait: a client that leaves while its request is queued
+                # there gets it aborted there (finally, below)
+                where = decode = self._pick(self.decodes, "decode")
+                decode.inflight += 1
+                reservation = await self._reserve(decode, req, last=attempt == _PICK_ATTEMPTS - 1)
+                if reservation is not None:
+                    break
+                decode.inflight -= 1
+                decode = None
+            assert decode is not None  # the last attempt raises instead of returning None
             life.advance(State.RESERVED)
             q = decode.subscribe(rid)
             started = prefill.watch_handoff(rid)
             life.advance(State.PREFILLING)
             prefill_task = asyncio.ensure_future(prefill.call(
-                lambda cid: P.PrefillReq(call_id=cid, request=req, reservation=reservation),
-                self.handoff_timeout_s))
+                lambda cid: P.PrefillReq(call_id=cid, request=req, reservation=reservation), None))
             first = True
             while True:
-                item = await self._next(q, prefill_task, started, decode, first, req)
+                item, where = await self._next(q, prefill_task, started, prefill, decode, first, req)
                 if isinstance(item, ErrorInfo):
                     raise KvsealError.from_info(item)
                 if first:
@@ -167,6 +260,7 @@ class DisaggBackend:
                     return
         except KvsealError as err:
             before_transfer = life.state in (State.ADMITTED, State.RESERVED, State.PREFILLING)
+            stage = life.state
             if isinstance(err, RequestAborted):
                 life.abort(err)
             elif before_transfer and (err.status < 500 or isinstance(err, Overloaded)):
@@ -178,7 +272,9 @@ class DisaggBackend:
                                                               rejected=life.state is State.REJECTED))
             if prefill is not None:
                 await self._safe_notify(prefill, P.AbortReq(request_id=rid, error=err.to_info()))
-            yield _final_error(req, life, err)
+            yield GenerateDelta(rid, [], "", final=life.state.value, error=err.to_info(),
+                                prompt_tokens=len(req.prompt_ids), stage=stage.value,
+                                worker=where.name if where is not None else None)
         finally:
             if not life.terminal:  # the consumer went away (client disconnect): abort on both sides
                 cause = RequestAborted("the client disconnected")
@@ -198,38 +294,46 @@ class DisaggBackend:
             self.lifecycles.pop(rid, None)
             self.ended[life.state.value] = self.ended.get(life.state.value, 0) + 1
 
-    async def _reserve(self, decode: WorkerClient, req: GenerateRequest) -> Any:
-        """Reserve decode pages; a full decode pool is waited out (bounded), then 503."""
-        deadline = time.monotonic() + self.wait_timeout_s
-        while True:
-            resp = await decode.call(lambda cid: P.ReserveReq(call_id=cid, request=req), 30.0)
-            assert isinstance(resp, P.ReserveResp)
-            if resp.reservation is not None:
-                return resp.reservation
-            assert resp.error is not None
-            err = KvsealError.from_info(resp.error)
-            if not isinstance(err, Overloaded) or time.monotonic() > deadline:
-                raise err
-            await asyncio.sleep(0.05)
+    async def _reserve(self, decode: WorkerClient, req: GenerateRequest, last: bool) -> Any:
+        """Reserve decode pages. A decode worker with no free pages queues the request in arrival order and
+        answers when pages are free (for as long as it is alive: a busy fleet is not a timeout); one whose
+        queue is full answers 503 at once. None: it started draining after it was picked (unless `last`)."""
+        resp = await decode.call(lambda cid: P.ReserveReq(call_id=cid, request=req), None)
+        if not isinstance(resp, P.ReserveResp):
+            raise WorkerFailed(f"{decode.name} answered {type(resp).__name__} to a reservation")
+        if resp.reservation is not None:
+            return resp.reservation
+        err = KvsealError.from_info(resp.error) if resp.error is not None else WorkerFailed(
+            f"{decode.name} answered a reservation with neither pages nor an error")
+        if isinstance(err, WorkerDraining) and not last:
+            return None
+        raise err
 
     async def _next(self, q: asyncio.Queue[GenerateDelta | ErrorInfo], prefill_task: asyncio.Task[P.Message],
-                    started: asyncio.Event, decode: WorkerClient, first: bool,
-                    req: GenerateRequest) -> GenerateDelta | ErrorInfo:
-        """The next delta from decode. Before the first one, a prefill failure ends the request, and while
-        the prompt is still queued or computing on prefill, decode's reservation is renewed: a busy prefill
-        queue is not a transfer timeout. Once prefill reports the handoff started, decode's own reservation
-        timeout bounds the transfer."""
-        timeout = self.handoff_timeout_s if first else self.stall_timeout_s
+                    started: asyncio.Event, prefill: WorkerClient, decode: WorkerClient, first: bool,
+                    req: GenerateRequest) -> tuple[GenerateDelta | ErrorInfo, WorkerClient]:
+        """The next delta from decode, and the worker it is from (or that failed the request).
+
+        Before the first one, a prefill failure ends the request, and while the prompt is still queued or
+        computing on prefill, decode's reservation is renewed and nothing times out: a busy prefill queue is not
+        a transfer timeout (a prefill worker that dies or goes silent fails the request at once). Once prefill
+        reports the handoff started, the first delta is due within handoff_timeout_s (decode's own reservation
+        timeout bounds the transfer too); later deltas within stall_timeout_s of each other."""
         renew_every = min(self.renew_every_s, float(decode.info.get("reservation_timeout_s", 120.0)) / 4)
-        deadline = time.monotonic() + timeout
+        deadline: float | None = None
         get = asyncio.ensure_future(q.get())
         done: set[asyncio.Future[Any]] = set()
         try:
-            while not done and (left := deadline - time.monotonic()) > 0:
+            while not done:
+                if deadline is None and (not first or started.is_set()):
+                    deadline = time.monotonic() + (self.handoff_timeout_s if first else self.stall_timeout_s)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
                 waiting: set[asyncio.Future[Any]] = {get}
                 if first and not prefill_task.done():
                     waiting.add(prefill_task)
-                wait = min(left, renew_every) if first else left
+                wait = renew_every if left is None else (min(left, renew_every) if first else left)
                 done, _ = await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if first and not done and not started.is_set():  # prefill still queued or computing
                     await self._safe_notify(decode, P.RenewReq(request_id=req.request_id))
@@ -237,21 +341,22 @@ class DisaggBackend:
             if not get.done():
                 get.cancel()
         if get in done:
-            return get.result()
+            return get.result(), decode
         if prefill_task in done:
             exc = prefill_task.exception()
             if exc is not None:
-                return exc.to_info() if isinstance(exc, KvsealError) else WorkerFailed(str(exc)).to_info()
+                return (exc.to_info() if isinstance(exc, KvsealError) else WorkerFailed(str(exc)).to_info()), prefill
             resp = prefill_task.result()
-            assert isinstance(resp, P.PrefillResp)
+            if not isinstance(resp, P.PrefillResp):
+                return WorkerFailed(f"{prefill.name} answered {type(resp).__name__} to a prefill").to_info(), prefill
             if resp.error is not None:
-                return resp.error
+                return resp.error, prefill
             # handed off: decode verified and acked, its first delta is on the way
-            return await self._next(q, prefill_task, started, decode, first, req)
+            return await self._next(q, prefill_task, started, prefill, decode, first, req)
         if first:
             return TransferTimeout(f"no verified KV handoff for {req.request_id} within "
-                                   f"{self.handoff_timeout_s:g}s").to_info()
-        return WorkerFailed(f"{decode.name} produced nothing for {self.stall_timeout_s:g}s").to_info()
+                                   f"{self.handoff_timeout_s:g}s of its start").to_info(), decode
+        return WorkerFailed(f"{decode.name} produced nothing for {self.stall_timeout_s:g}s").to_info(), decode
 
     async def _prefill_settled(self, task: asyncio.Task[P.Message], rid: str) -> int:
         """Decode is done; hold the last delta until prefill reported the handoff ended (its pages scrubbed
@@ -271,7 +376,3 @@ class DisaggBackend:
         except Exception as exc:  # noqa: BLE001 - a dead peer frees its pages by its own timeouts
             log.warning("could not notify %s: %s", w.name, exc)
 
-
-def _final_error(req: GenerateRequest, life: Lifecycle, err: KvsealError) -> GenerateDelta:
-    return GenerateDelta(req.request_id, [], "", final=life.state.value, error=err.to_info(),
-                         prompt_tokens=len(req.prompt_ids))

@@ -1,13 +1,16 @@
-"""Seal 7: capacity and consistency of the fleet, checked before the router serves anything.
+"""Seal 7: capacity and consistency of the fleet, checked before the router serves anything and at every join.
 
-The served context window is the smallest any eligible worker can hold. The router refuses to start (and
-refuses to register a worker) when a worker's KV pool holds fewer tokens than that window, or when
-workers disagree on the model fingerprint, page size, KV dtype, KV layout, kernels or arithmetic. Each message names both
-numbers and both fixes.
+The served context window is the smallest any eligible worker can hold. The router refuses to start when a
+worker's KV pool holds fewer tokens than that window, or when workers disagree on the model fingerprint, page
+size, KV dtype, KV layout, kernels or arithmetic. After start, the fleet as it started is a `FleetSpec`, and a
+worker that connects, reconnects or registers must match it in full (`check_worker`), its tokenizer and its
+test faults included, before it gets a request. Each message names both numbers and both fixes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvseal.errors import CapacityMismatch
@@ -40,18 +43,74 @@ def check_fleet(infos: list[tuple[str, dict[str, Any]]], window: int) -> None:
     """Raise CapacityMismatch unless every worker can hold `window` tokens and all agree on the layout."""
     ref_name, ref = infos[0]
     for name, info in infos:
-        differ = [key for key in _MUST_MATCH if info[key] != ref[key]]
-        if differ:
-            theirs = ", ".join(f"{key}={info[key]!r}" for key in differ)
-            ours = ", ".join(f"{key}={ref[key]!r}" for key in differ)
-            raise CapacityMismatch(
-                f"{name} has {theirs} but {ref_name} has {ours}: KV computed by one cannot be used by the "
-                f"other. Fix: start every worker with the same model, --page-size, --dtype, --kv-dtype, --kernels "
-                f"and --arithmetic.")
-        pool = int(info["pool_tokens"])
-        if pool < window:
-            raise CapacityMismatch(
-                f"{name}: its KV pool holds {pool} tokens, fewer than the {window}-token context window the "
-                f"router is to serve. A prompt between the two would not fit on that worker. Fix: raise that "
-                f"worker's pool to at least {window} tokens (--kv-pool-tokens {window}), or lower the served "
-                f"window to at most {pool} tokens (--max-model-len {pool}).")
+        _check_agree(ref_name, ref, name, info)
+        _check_pool(name, info, window)
+
+
+def _check_agree(ref_name: str, ref: Mapping[str, object], name: str, info: Mapping[str, object]) -> None:
+    differ = [key for key in _MUST_MATCH if info[key] != ref[key]]
+    if differ:
+        theirs = ", ".join(f"{key}={info[key]!r}" for key in differ)
+        ours = ", ".join(f"{key}={ref[key]!r}" for key in differ)
+        raise CapacityMismatch(
+            f"{name} has {theirs} but {ref_name} has {ours}: KV computed by one cannot be used by the "
+            f"other. Fix: start every worker with the same model, --page-size, --dtype, --kv-dtype, --kernels "
+            f"and --arithmetic.")
+
+
+def _check_pool(name: str, info: Mapping[str, Any], window: int) -> None:
+    pool = int(info["pool_tokens"])
+    if pool < window:
+        raise CapacityMismatch(
+            f"{name}: its KV pool holds {pool} tokens, fewer than the {window}-token context window the "
+            f"router is to serve. A prompt between the two would not fit on that worker. Fix: raise that "
+            f"worker's pool to at least {window} tokens (--kv-pool-tokens {window}), or lower the served "
+            f"window to at most {pool} tokens (--max-model-len {pool}).")
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """What every worker must match to get requests: fixed when the router starts."""
+
+    window: int  # the served context window
+    agreed: Mapping[str, object]  # the _MUST_MATCH fields of the fleet the router started with
+    tokenizer_digest: str  # the router's own tokenizer (identity.tokenizer_digest)
+    test_faults: str  # the router's own --test-faults, canonical ("" for none)
+
+    @staticmethod
+    def of(infos: list[tuple[str, dict[str, Any]]], window: int, tokenizer_digest: str,
+           test_faults: str) -> FleetSpec:
+        return FleetSpec(window, {key: infos[0][1][key] for key in _MUST_MATCH}, tokenizer_digest, test_faults)
+
+
+def check_worker(name: str, role: str, info: dict[str, Any], spec: FleetSpec, capacity: bool = True) -> None:
+    """Raise CapacityMismatch unless this worker may serve in the fleet `spec` describes, in the role `role`.
+    capacity=False (the test-only incident fault) skips the window checks only."""
+    if info.get("role") != role:
+        raise CapacityMismatch(f"{name} is a {info.get('role')!r} worker, not a {role!r} one. Fix: give its "
+                               f"endpoint as --{info.get('role')} (or start it as `kvseal {role}`).")
+    missing = [key for key in (*_MUST_MATCH, "pool_tokens", "context_window", "tokenizer_digest", "test_faults")
+               if key not in info]
+    if missing:
+        raise CapacityMismatch(f"{name} does not report {', '.join(missing)}: it runs another kvseal version. "
+                               f"Fix: run one kvseal version on the router and every worker.")
+    _check_agree("the fleet", spec.agreed, name, info)
+    if capacity:
+        _check_pool(name, info, spec.window)
+    window = int(info["context_window"])
+    if capacity and window < spec.window:
+        raise CapacityMismatch(
+            f"{name}: it serves a context window of {window} tokens, smaller than the {spec.window}-token window "
+            f"the router serves. A prompt between the two would be refused there. Fix: start that worker with "
+            f"--max-model-len {spec.window} (or without --max-model-len), or serve at most {window} tokens "
+            f"(--max-model-len {window} on the router).")
+    if info["tokenizer_digest"] != spec.tokenizer_digest:
+        raise CapacityMismatch(
+            f"{name} has tokenizer {info['tokenizer_digest']} but the router has {spec.tokenizer_digest}: the "
+            f"router would tokenize prompts for another vocabulary. Fix: start the router and every worker with "
+            f"the same model.")
+    if info["test_faults"] != spec.test_faults:
+        theirs, ours = info["test_faults"] or "none", spec.test_faults or "none"
+        raise CapacityMismatch(
+            f"{name} runs with test faults {theirs!r} but the router with {ours!r}: a fleet is all-clean or all "
+            f"on the same test faults. Fix: start every process with the same --test-faults (or none).")

@@ -1,5 +1,12 @@
-"""The router's handle on one worker: a ZeroMQ DEALER, calls with timeouts, per-request delta queues,
-and a heartbeat that declares the worker dead (failing its requests) when it stops answering."""
+"""The router's handle on one worker: a ZeroMQ DEALER, calls with timeouts, per-request delta queues, and the
+worker's standing in the fleet (router/membership.py).
+
+A worker gets requests only while SERVING, and it gets there only by passing the fleet check (seal 7) that the
+backend hands in as `check`: when it is first admitted, and again whenever it connects, reconnects or answers as
+a new process (another instance id). A dropped connection, or no answer to the heartbeat, fails its requests at
+once. Deltas must arrive numbered 0, 1, 2, ... per request: a gap, a repeat or a reordering ends that request
+FAILED (StreamBroken) instead of passing on an answer with text missing.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -14,27 +22,36 @@ import zmq
 import zmq.asyncio
 
 from kvseal.engine.messages import GenerateDelta
-from kvseal.errors import ErrorInfo, WorkerFailed
+from kvseal.errors import CapacityMismatch, ErrorInfo, StreamBroken, WorkerFailed
+from kvseal.router.membership import Membership, Standing
 from kvseal.worker import protocol as P
 
 log = logging.getLogger("kvseal.router")
 
+# raises CapacityMismatch when the worker (its fresh /info) may not serve in this fleet
+Check = Callable[["WorkerClient", dict[str, Any]], None]
+
 
 class WorkerClient:
-    def __init__(self, role: str, endpoint: str, ctx: zmq.asyncio.Context, heartbeat_s: float = 1.0,
-                 dead_after_s: float = 60.0) -> None:
-        self.role, self.endpoint = role, endpoint
+    def __init__(self, role: str, endpoint: str, ctx: zmq.asyncio.Context, check: Check,
+                 heartbeat_s: float = 1.0, dead_after_s: float = 60.0, registered: bool = False) -> None:
+        self.role, self.endpoint, self.check = role, endpoint, check
+        self.registered = registered  # joined through the fleet socket (not on the router's command line)
         self.sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
+        self.member = Membership(self.name)
+        self.instance: str | None = None  # the worker process that last passed (or failed) the check
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future[P.Message]] = {}
         self._streams: dict[str, asyncio.Queue[GenerateDelta | ErrorInfo]] = {}
+        self._next_seq: dict[str, int] = {}  # request id -> the number its next delta must carry
         self._handoffs: dict[str, asyncio.Event] = {}  # request id -> set when prefill starts its handoff
         self._tasks: list[asyncio.Task[None]] = []
+        self._wake = asyncio.Event()  # a (re)connect: run the heartbeat (and so the join check) now
+        self._join_lock = asyncio.Lock()
         self.last_seen = time.monotonic()
-        self.alive = True
         self.info: dict[str, Any] = {}
         self.inflight = 0  # requests routed here and not yet ended: the load used for pairing
 
@@ -42,42 +59,98 @@ class WorkerClient:
     def name(self) -> str:
         return f"{self.role} worker {self.endpoint}"
 
-    def start(self) -> None:
+    @property
+    def alive(self) -> bool:
+        """In rotation: it gets new requests."""
+        return self.member.serving
+
+    def open(self) -> None:
+        """Start reading answers (before the router's start-up check)."""
+        self._tasks.append(asyncio.ensure_future(self._reader()))
+
+    def watch(self) -> None:
+        """Start the heartbeat and the connection monitor: from here on every (re)join is checked."""
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self._tasks = [asyncio.ensure_future(self._reader()), asyncio.ensure_future(self._heartbeat()),
-                       asyncio.ensure_future(self._watch())]
+        self._tasks += [asyncio.ensure_future(self._heartbeat()), asyncio.ensure_future(self._watch())]
 
-    async def _watch(self) -> None:
-        """A dropped TCP connection means the worker process died (or its host went away): fail its
-        requests at once instead of waiting for the heartbeat. A reconnect puts it back in rotation."""
-        from zmq.utils.monitor import parse_monitor_message
-
-        while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                if self.alive:
-                    log.error("%s disconnected; failing its requests", self.name)
-                self.alive = False
-                self._fail_all(WorkerFailed(f"{self.name} disconnected (the worker died or its host is gone)"))
-            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.alive:
-                try:
-                    await self.fetch_info(timeout=10.0)
-                    self.alive = True
-                    log.warning("%s reconnected; back in rotation", self.name)
-                except WorkerFailed:
-                    pass
+    def admitted(self, info: dict[str, Any]) -> None:
+        """The router's start-up check passed this worker (with the whole fleet)."""
+        self.info, self.instance = info, str(info.get("instance"))
+        self.member.move(Standing.CHECKING)
+        self.member.move(Standing.SERVING)
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._tasks:
+        if len(self._tasks) > 1:
             self.sock.disable_monitor()
             self._monitor.close(0)
         self.sock.close(0)
 
-    async def call(self, make: Any, timeout: float) -> P.Message:
-        """Send make(call_id) and await the answer with the same call_id."""
+    # -- joining ---------------------------------------------------------------------------------------
+    async def join(self) -> None:
+        """Check the worker in full against the fleet; SERVING if it passes, REFUSED (with the reason) if not."""
+        async with self._join_lock:
+            self.member.move(Standing.CHECKING)
+            try:
+                info = await self.fetch_info(timeout=10.0)
+            except WorkerFailed as err:
+                self._lose(err.message)
+                return
+            self.instance = str(info.get("instance"))
+            try:
+                self.check(self, info)
+            except CapacityMismatch as err:
+                self.member.move(Standing.REFUSED, err.message)
+            else:
+                self.member.move(Standing.SERVING)
+                if info.get("draining"):
+                    self.member.move(Standing.DRAINING, "it reports that it is draining")
+
+    async def _watch(self) -> None:
+        """A dropped TCP connection means the worker process died (or its host went away): fail its requests at
+        once instead of waiting for the heartbeat. A new connection wakes the heartbeat, which checks it."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._lose(f"{self.name} disconnected (the worker died, left, or its host is gone)")
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._wake.set()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:  # a worker that is not connected answers quickly once it is back, or not at all
+                info = await self.fetch_info(timeout=self.dead_after_s if self.member.connected else 2.0)
+            except WorkerFailed:
+                self._lose(f"{self.name} stopped answering (dead or unreachable)")
+                continue
+            st = self.member.standing
+            if info.get("instance") != self.instance or st in (Standing.LOST, Standing.LEFT, Standing.CONNECTING):
+                await self.join()  # a new process on this endpoint, or one coming back: checked before use
+            elif st is Standing.SERVING and info.get("draining"):
+                self.member.move(Standing.DRAINING, "it reports that it is draining")
+
+    def _lose(self, why: str) -> None:
+        st = self.member.standing
+        if st is Standing.DRAINING:
+            self.member.move(Standing.LEFT)
+        elif st in (Standing.CONNECTING, Standing.CHECKING, Standing.SERVING):
+            self.member.move(Standing.LOST, why)
+        # a REFUSED worker that goes away stays REFUSED with its reason: out of rotation, and /info says why
+        self._fail_all(WorkerFailed(why))
+
+    # -- calls and streams ------------------------------------------------------------------------------
+    async def call(self, make: Any, timeout: float | None) -> P.Message:
+        """Send make(call_id) and await the answer with the same call_id. timeout None: as long as the worker
+        is connected (a lost worker fails every call at once)."""
         cid = next(self._ids)
         fut: asyncio.Future[P.Message] = asyncio.get_running_loop().create_future()
         self._calls[cid] = fut
@@ -95,10 +168,12 @@ class WorkerClient:
     def subscribe(self, request_id: str) -> asyncio.Queue[GenerateDelta | ErrorInfo]:
         q: asyncio.Queue[GenerateDelta | ErrorInfo] = asyncio.Queue()
         self._streams[request_id] = q
+        self._next_seq[request_id] = 0
         return q
 
     def unsubscribe(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._next_seq.pop(request_id, None)
         self._handoffs.pop(request_id, None)
 
     def watch_handoff(self, request_id: str) -> asyncio.Event:
@@ -108,7 +183,8 @@ class WorkerClient:
 
     async def fetch_info(self, timeout: float = 5.0) -> dict[str, Any]:
         resp = await self.call(lambda cid: P.InfoReq(call_id=cid), timeout)
-        assert isinstance(resp, P.InfoResp)
+        if not isinstance(resp, P.InfoResp):
+            raise WorkerFailed(f"{self.name} answered {type(resp).__name__} to an info request")
         self.info = resp.info
         return resp.info
 
@@ -121,38 +197,42 @@ class WorkerClient:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.warning("%s sent a malformed message: %s", self.name, exc)
                 continue
-            if isinstance(msg, P.HandoffStarted):
-                ev = self._handoffs.get(msg.request_id)
-                if ev is not None:
-                    ev.set()
-                continue
-            if isinstance(msg, P.DeltaMsg):
-                q = self._streams.get(msg.delta.request_id)
-                if q is not None:
-                    q.put_nowait(msg.delta)
-                continue
-            fut = self._calls.get(getattr(msg, "call_id", -1))
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            match msg:
+                case P.HandoffStarted(request_id=rid):
+                    ev = self._handoffs.get(rid)
+                    if ev is not None:
+                        ev.set()
+                case P.DeltaMsg():
+                    self._deliver(msg)
+                case P.DrainNotice():
+                    if self.member.standing is Standing.SERVING:
+                        self.member.move(Standing.DRAINING, "it is draining (SIGTERM or `kvseal drain`)")
+                case _:
+                    fut = self._calls.get(getattr(msg, "call_id", -1))
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
 
-    async def _heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
-            try:
-                await self.fetch_info(timeout=self.dead_after_s)
-                if not self.alive:
-                    log.warning("%s answers again; back in rotation", self.name)
-                self.alive = True
-            except WorkerFailed:
-                if self.alive:
-                    log.error("%s stopped answering; failing its requests", self.name)
-                self.alive = False
-                self._fail_all(WorkerFailed(f"{self.name} stopped answering (dead or unreachable)"))
+    def _deliver(self, msg: P.DeltaMsg) -> None:
+        rid = msg.delta.request_id
+        q = self._streams.get(rid)
+        if q is None:
+            return  # the request already ended here (client gone, failed): its late output is dropped
+        want = self._next_seq[rid]
+        if msg.seq != want:
+            what = "repeated" if msg.seq < want else f"{msg.seq - want} lost"
+            q.put_nowait(StreamBroken(
+                f"request {rid}: output from {self.name} arrived with a hole (delta {msg.seq} where {want} was "
+                f"due: {what}); the answer would be incomplete, so the request failed").to_info())
+            self._streams.pop(rid, None)  # nothing more is passed on for it
+            return
+        self._next_seq[rid] = want + 1
+        q.put_nowait(msg.delta)
 
     def _fail_all(self, err: WorkerFailed) -> None:
         info = err.to_info()
         for q in self._streams.values():
             q.put_nowait(info)
+        self._streams.clear()
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(WorkerFailed(err.message))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import secrets
 import warnings
 from collections.abc import Callable, Sequence
@@ -81,6 +82,7 @@ class KVManifest(msgspec.Struct, frozen=True, kw_only=True):
     first_token: int  # sampled by prefill
     first_logprob: float | None = None
     first_top: list[tuple[int, float]] = []  # top-k alternatives of the first token, best first
+    first_checksum: int = 0  # over first_token, first_logprob and first_top (see first_token_checksum)
     model_fingerprint: str
     page_size: int
     kv_dtype: str
@@ -150,8 +152,9 @@ def build_manifest(reservation: Reservation, payload: PagePayload, *, num_tokens
         request_id=reservation.request_id, reservation_id=reservation.reservation_id,
         nonce=reservation.nonce, num_tokens=num_tokens, num_pages=payload.num_pages,
         page_checksums=page_checksums(payload), checksum=CHECKSUM_ALGO, first_token=first_token,
-        first_logprob=first_logprob, first_top=list(first_top), model_fingerprint=model_fingerprint,
-        page_size=page_size, kv_dtype=kv_dtype, kv_layout=kv_layout,
+        first_logprob=first_logprob, first_top=list(first_top),
+        first_checksum=first_token_checksum(first_token, first_logprob, first_top),
+        model_fingerprint=model_fingerprint, page_size=page_size, kv_dtype=kv_dtype, kv_layout=kv_layout,
     )
 
 
@@ -243,6 +246,14 @@ def page_checksums(payload: PagePayload) -> list[int]:
     return out
 
 
+def first_token_checksum(first_token: int, first_logprob: float | None,
+                         first_top: Sequence[tuple[int, float]]) -> int:
+    """One unsigned 64-bit hash over the first token and its logprobs, as they travel (msgpack)."""
+    h = _new_hash()
+    h.update(memoryview(msgspec.msgpack.encode([first_token, first_logprob, [list(t) for t in first_top]])))
+    return int.from_bytes(h.digest(), "big")
+
+
 def _fail(manifest: KVManifest, field: str, expected: object, received: object) -> TransferVerificationFailed:
     return TransferVerificationFailed(
         f"KV transfer for request {manifest.request_id!r} failed verification: {field}: "
@@ -250,11 +261,15 @@ def _fail(manifest: KVManifest, field: str, expected: object, received: object) 
 
 
 def verify(manifest: KVManifest, reservation: Reservation, payload: PagePayload, *,
-           expected_fingerprint: str, page_bytes: int) -> None:
+           expected_fingerprint: str, page_bytes: int, vocab_size: int | None = None,
+           logprobs: int | None = None) -> None:
     """Raise TransferVerificationFailed unless the arrival is exactly what `reservation` set aside (seal 4).
 
     `expected_fingerprint` and `page_bytes` (see page_nbytes) describe the receiving worker's own model
-    and pool. Cheap checks first; the checksums, which read every byte, last.
+    and pool. The first token and its logprobs must match their checksum; with `vocab_size` (the receiving
+    model's) they are also range-checked against the request's `logprobs` (None: it asked for none), since
+    decode emits that token and feeds it to the next step. Cheap checks first; the page checksums, which read
+    every byte, last.
     """
     m, r = manifest, reservation
 
@@ -282,9 +297,34 @@ def verify(manifest: KVManifest, reservation: Reservation, payload: PagePayload,
     same("payload pages", m.num_pages, payload.num_pages)
     same("payload K bytes", m.num_pages * page_bytes, payload.k.numel())
     same("payload V bytes", m.num_pages * page_bytes, payload.v.numel())
+    same("first_checksum", first_token_checksum(m.first_token, m.first_logprob, m.first_top), m.first_checksum)
+    if vocab_size is not None:
+        _check_first_token(m, vocab_size, logprobs)
     got = page_checksums(payload)
     bad = [j for j, (a, b) in enumerate(zip(m.page_checksums, got, strict=True)) if a != b]
     if bad:
         j = bad[0]
         raise _fail(m, f"page_checksums[{j}] (reserved page {r.page_ids[j]}; {len(bad)} of {m.num_pages} "
                     f"pages differ)", f"{m.page_checksums[j]:#018x}", f"{got[j]:#018x}")
+
+
+def _check_first_token(m: KVManifest, vocab_size: int, logprobs: int | None) -> None:
+    def logprob_ok(x: float) -> bool:
+        return math.isfinite(x) and x <= 1e-4  # a log-probability; a hair above 0 is float rounding
+
+    if not 0 <= m.first_token < vocab_size:
+        raise _fail(m, "first_token", f"a token id in [0, {vocab_size})", m.first_token)
+    if logprobs is None:
+        if m.first_logprob is not None or m.first_top:
+            raise _fail(m, "first_logprob/first_top", "none (the request asked for no logprobs)",
+                        (m.first_logprob, len(m.first_top)))
+        return
+    if m.first_logprob is None or not logprob_ok(m.first_logprob):
+        raise _fail(m, "first_logprob", "a finite log-probability <= 0", m.first_logprob)
+    want = min(logprobs, vocab_size)
+    if len(m.first_top) != want:
+        raise _fail(m, "len(first_top)", want, len(m.first_top))
+    for tid, lp in m.first_top:
+        if not 0 <= tid < vocab_size or not logprob_ok(lp):
+            raise _fail(m, "first_top", f"token ids in [0, {vocab_size}) with finite log-probabilities <= 0",
+                        (tid, lp))

@@ -3,18 +3,25 @@
 A request joins a batch only after every manifest field and every page checksum matched its reservation
 (seal 4). A mismatch nacks the sender, FAILS the request with the verification error, scrubs and frees
 the reserved pages, and tells the router; not one token is produced from unverified KV.
+
+A reservation that finds no free pages waits in arrival order (bounded by --max-waiting, then 503); a later
+request never takes pages ahead of an earlier one. Each request's deltas are numbered for the router's
+continuity check.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass, field
 
 from kvseal.engine.disagg import DecodeEngine
-from kvseal.engine.messages import GenerateDelta
-from kvseal.errors import KvsealError, TransferVerificationFailed
-from kvseal.faults import Faults
+from kvseal.engine.messages import GenerateDelta, GenerateRequest
+from kvseal.errors import InternalError, KvsealError, Overloaded, TransferVerificationFailed, WorkerFailed
+from kvseal.hooks import Hooks
 from kvseal.transfer.base import Arrival
+from kvseal.transfer.manifest import page_nbytes
 from kvseal.transfer.zmq import ZmqTransport
 from kvseal.worker import protocol as P
 from kvseal.worker.server import WorkerServer
@@ -22,42 +29,97 @@ from kvseal.worker.server import WorkerServer
 log = logging.getLogger("kvseal.decode")
 
 
+@dataclass(frozen=True)
+class _Queued:
+    ident: bytes  # the router that asked
+    call_id: int
+    request: GenerateRequest
+    since: float = field(default_factory=time.monotonic)
+
+
 class DecodeWorker(WorkerServer):
     role = "decode"
 
-    def __init__(self, engine: DecodeEngine, bind: str, kv_bind: str, faults: Faults,
-                 reservation_timeout_s: float = 120.0) -> None:
-        super().__init__(engine, bind, faults)
+    def __init__(self, engine: DecodeEngine, bind: str, kv_bind: str, hooks: Hooks,
+                 reservation_timeout_s: float = 120.0, drain_timeout_s: float = 600.0) -> None:
+        super().__init__(engine, bind, hooks, drain_timeout_s)
         self.dengine = engine
-        self.transport = ZmqTransport()
+        # a frame larger than the whole pool is never a real transfer: the transport drops its sender
+        self.transport = ZmqTransport(max_frame_bytes=engine.pool.num_pages * page_nbytes(engine.pool.k) + 2**20)
         self.transport.register(engine.pool.k, engine.pool.v)
         self.kv_endpoint = self.transport.listen(kv_bind)
         self.reservation_timeout_s = reservation_timeout_s
         self.owners: dict[str, bytes] = {}  # request id -> the router that streams it
+        self.next_seq: dict[str, int] = {}  # request id -> the number of its next delta
+        self.queue: deque[_Queued] = deque()  # reservations waiting for pages, in arrival order
         self._next_expiry = 0.0
 
     def info(self) -> dict[str, object]:
         return {**super().info(), "kv_endpoint": self.kv_endpoint, "reservations": len(self.dengine.reserved),
-                "reservation_timeout_s": self.reservation_timeout_s}
+                "reservations_queued": len(self.queue), "reservation_timeout_s": self.reservation_timeout_s}
 
     def handle(self, ident: bytes, msg: P.Message) -> None:
         match msg:
             case P.ReserveReq(call_id=cid, request=req):
                 self.counters["requests_received"] += 1
                 try:
-                    res = self.dengine.reserve(req, self.reservation_timeout_s, self.kv_endpoint)
+                    self.refuse_new()
+                    if self.queue or not self._fits_now(req):
+                        self._enqueue(_Queued(ident, cid, req))
+                        return
+                    self._reserve(_Queued(ident, cid, req))
                 except KvsealError as err:
                     self.send(ident, P.ReserveResp(call_id=cid, error=err.to_info()))
-                    return
-                self.owners[req.request_id] = ident
-                self.send(ident, P.ReserveResp(call_id=cid, reservation=res))
             case P.ReleaseReq(request_id=rid, error=err, rejected=rejected):
+                self._dequeue(rid)
                 self.dengine.release(rid, KvsealError.from_info(err), rejected)
             case P.RenewReq(request_id=rid):
                 self.dengine.renew(rid, time.monotonic() + self.reservation_timeout_s)
+            case P.AbortReq(request_id=rid, error=err):
+                self._dequeue(rid)
+                self.dengine.abort(rid, KvsealError.from_info(err))
             case _:
                 super().handle(ident, msg)
 
+    # -- reservations in arrival order -----------------------------------------------------------------
+    def _fits_now(self, req: GenerateRequest) -> bool:
+        return self.dengine.pages_available() >= self.dengine.pages_for_prompt(len(req.prompt_ids))
+
+    def _enqueue(self, q: _Queued) -> None:
+        limit = self.dengine.cfg.scheduler.max_waiting
+        if len(self.queue) >= limit:
+            raise Overloaded(f"the decode worker has {len(self.queue)} requests waiting for KV pages "
+                             f"(--max-waiting {limit}); retry later")
+        self.dengine.validate(len(q.request.prompt_ids), q.request.params.max_tokens)  # never fits: at once
+        self.queue.append(q)
+
+    def _dequeue(self, rid: str) -> None:
+        for q in self.queue:
+            if q.request.request_id == rid:
+                self.queue.remove(q)
+                return
+
+    def _reserve(self, q: _Queued) -> None:
+        res = self.dengine.reserve(q.request, self.reservation_timeout_s, self.kv_endpoint)
+        self.owners[q.request.request_id] = q.ident
+        self.send(q.ident, P.ReserveResp(call_id=q.call_id, reservation=res))
+
+    def _grant_queued(self) -> None:
+        while self.queue and self._fits_now(self.queue[0].request):
+            q = self.queue.popleft()
+            try:
+                self._reserve(q)
+            except KvsealError as err:
+                self.send(q.ident, P.ReserveResp(call_id=q.call_id, error=err.to_info()))
+        # a queue that moves is never timed out; one where no page was freed for wait_timeout_s cannot move
+        limit = self.dengine.cfg.scheduler.wait_timeout_s
+        now = time.monotonic()
+        while self.queue and now - max(self.queue[0].since, self.dengine.scheduler.last_freed) > limit:
+            q = self.queue.popleft()
+            self.send(q.ident, P.ReserveResp(call_id=q.call_id, error=Overloaded(
+                f"no KV pages were freed on the decode worker for {limit:g}s; retry later").to_info()))
+
+    # -- the loop --------------------------------------------------------------------------------------
     def pump(self) -> None:
         while (arrival := self.transport.recv(0)) is not None:
             self._arrive(arrival)
@@ -65,31 +127,54 @@ class DecodeWorker(WorkerServer):
         if now >= self._next_expiry:
             self._next_expiry = now + 0.5
             self.dengine.expire_reservations(now)
+        self._grant_queued()
 
     def _arrive(self, a: Arrival) -> None:
         self.counters["kv_bytes_received"] += a.payload.nbytes
+        rid = a.manifest.request_id
         try:
-            # the incident fault (test-only) puts back the 2026 bug: no verification
-            self.dengine.accept(a.manifest, a.payload, check=not self.faults.incident)
+            self.dengine.accept(a.manifest, a.payload, check=self.hooks.verify_kv())
         except TransferVerificationFailed as err:
             log.warning("refusing KV: %s", err.message)
             self.counters["transfers_refused"] += 1
             a.reply(False, err.to_info())
+            return
+        except Exception:  # no arrival ends this process; the request it named fails
+            log.exception("accepting KV for %r failed", rid)
+            failed = InternalError(f"the decode worker failed while accepting the KV of request {rid!r}")
+            self.dengine.release(rid, failed, rejected=False)
+            self.counters["transfers_refused"] += 1
+            a.reply(False, failed.to_info())
             return
         a.reply(True)
         self.counters["transfers_acked"] += 1
 
     def route(self, out: list[GenerateDelta]) -> None:
         for d in out:
-            ident = self.owners.get(d.request_id)
+            rid = d.request_id
+            ident = self.owners.get(rid)
             if ident is None:
                 continue
+            n = self.next_seq.get(rid, 0)
             if d.final is not None:
-                self.owners.pop(d.request_id, None)
-            self.send(ident, P.DeltaMsg(delta=d))
+                self.owners.pop(rid, None)
+                self.next_seq.pop(rid, None)
+            else:
+                self.next_seq[rid] = n + 1
+            self.send(ident, P.DeltaMsg(delta=d, seq=n))
+
+    def peer_lost(self, ident: bytes) -> None:
+        err = WorkerFailed("the router stopped reading this request's output; it ended on the decode worker")
+        for q in [q for q in self.queue if q.ident == ident]:
+            self.queue.remove(q)
+        for rid in [rid for rid, who in self.owners.items() if who == ident]:
+            del self.owners[rid]  # its final delta has nowhere to go
+            self.next_seq.pop(rid, None)
+            self.dengine.fail(rid, err)
+
+    def inflight(self) -> int:
+        return len(self.dengine.seqs) + len(self.queue)
 
     def close(self) -> None:
         self.transport.close()
         super().close()
-
-

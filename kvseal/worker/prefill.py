@@ -11,12 +11,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-import msgspec
-
 from kvseal.engine.disagg import Handoff, PrefillEngine
 from kvseal.engine.messages import GenerateDelta
-from kvseal.errors import InvalidRequest, KvsealError
-from kvseal.faults import Faults
+from kvseal.errors import InvalidRequest, KvsealError, WorkerFailed
+from kvseal.hooks import Hooks
 from kvseal.transfer.base import TransferHandle, TransferState
 from kvseal.transfer.manifest import Reservation
 from kvseal.transfer.zmq import ZmqTransport
@@ -39,33 +37,31 @@ class _Job:
 class PrefillWorker(WorkerServer):
     role = "prefill"
 
-    def __init__(self, engine: PrefillEngine, bind: str, faults: Faults, transfer_timeout_s: float = 60.0) -> None:
-        super().__init__(engine, bind, faults)
+    def __init__(self, engine: PrefillEngine, bind: str, hooks: Hooks, transfer_timeout_s: float = 60.0,
+                 drain_timeout_s: float = 600.0) -> None:
+        super().__init__(engine, bind, hooks, drain_timeout_s)
         self.pengine = engine
-        mutate = (lambda m, p: self.faults.mutate(m, p)) if faults.any else None
+        mutate = self.hooks.outgoing_kv if hooks.spec else None
         self.transport = ZmqTransport(timeout_s=transfer_timeout_s, mutate=mutate)
         self.transport.register(engine.pool.k, engine.pool.v)
         self.jobs: dict[str, _Job] = {}
-        self._stalled: list[tuple[float, Handoff]] = []  # test-only stall_transfer fault
+        self._held: list[tuple[float, Handoff]] = []  # handoffs a hook holds back (hold_handoff_s)
 
     def handle(self, ident: bytes, msg: P.Message) -> None:
+        # While draining, a PrefillReq is still taken: it continues a request the router already started (its
+        # decode pages are reserved); the router sends no new one once it has the DrainNotice.
         match msg:
             case P.PrefillReq(call_id=cid, request=req, reservation=res):
                 self.counters["requests_received"] += 1
                 rid = req.request_id
-                if rid in self.jobs:
+                if rid in self.jobs or rid in self.pengine.seqs:
                     raise InvalidRequest(f"request {rid} is already being prefilled")
                 self.jobs[rid] = _Job(ident, cid, res)
-                over = self.faults.prefill_reject_over
-                if over is not None and len(req.prompt_ids) > over:
-                    self._answer(rid, "rejected", InvalidRequest(
-                        f"prefill worker policy refused a prompt of {len(req.prompt_ids)} tokens "
-                        f"(limit {over})", code="prefill_policy"))
+                try:
+                    req = self.hooks.admit_prefill(req, self.engine.context_window)
+                except KvsealError as err:
+                    self._answer(rid, "rejected", err)
                     return
-                if self.faults.incident and len(req.prompt_ids) + req.params.max_tokens > self.engine.context_window:
-                    # THE 2026 BUG, test-only: "reject" by swapping in a one-token placeholder that keeps flowing
-                    req = msgspec.structs.replace(req, prompt_ids=req.prompt_ids[:1],
-                                                  params=msgspec.structs.replace(req.params, max_tokens=1))
                 self.engine.add_request(req)
             case P.AbortReq(request_id=rid, error=err):
                 job = self.jobs.pop(rid, None)
@@ -76,7 +72,18 @@ class PrefillWorker(WorkerServer):
                 super().handle(ident, msg)
 
     def busy(self) -> bool:
-        return bool(self._stalled) or any(j.handle is not None for j in self.jobs.values())
+        return bool(self._held) or any(j.handle is not None for j in self.jobs.values())
+
+    def inflight(self) -> int:
+        return len(self.pengine.seqs) + len(self.jobs)
+
+    def peer_lost(self, ident: bytes) -> None:
+        err = WorkerFailed("the router stopped reading; this request ended on the prefill worker")
+        for rid in [rid for rid, job in self.jobs.items() if job.ident == ident]:
+            job = self.jobs.pop(rid)
+            if job.handle is not None:
+                self.transport.abort(job.handle)
+            self.engine.fail(rid, err)
 
     def route(self, out: list[GenerateDelta]) -> None:
         # A prefill engine emits deltas only for requests that ended before any handoff (rejected,
@@ -92,9 +99,9 @@ class PrefillWorker(WorkerServer):
             job = self.jobs.get(h.seq.request_id)
             if job is not None:
                 self.send(job.ident, P.HandoffStarted(request_id=h.seq.request_id))
-        self._stalled += [(now + self.faults.stall_transfer_s, h) for h in ready]
-        due = [h for t, h in self._stalled if t <= now]
-        self._stalled = [(t, h) for t, h in self._stalled if t > now]
+        self._held += [(now + self.hooks.hold_handoff_s(), h) for h in ready]
+        due = [h for t, h in self._held if t <= now]
+        self._held = [(t, h) for t, h in self._held if t > now]
         for h in due:
             self._send(h)
         for rid, job in list(self.jobs.items()):
@@ -128,6 +135,8 @@ class PrefillWorker(WorkerServer):
         job = self.jobs.pop(rid, None)
         if job is None:
             return
+        if job.handle is not None:
+            self.transport.abort(job.handle)  # a late answer from decode changes nothing now
         self.send(job.ident, P.PrefillResp(call_id=job.call_id, request_id=rid, state=state,
                                            error=None if err is None else err.to_info(), kv_bytes_sent=job.nbytes,
                                            cached_tokens=job.cached_tokens))

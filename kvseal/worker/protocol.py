@@ -92,21 +92,48 @@ class AbortReq(_Msg, tag="abort", frozen=True, kw_only=True):
     error: ErrorInfo
 
 
-class SetFaultsReq(_Msg, tag="set_faults", frozen=True, kw_only=True):
-    """Test-only: replace a worker's injected faults. Refused unless KVSEAL_TEST_FAULTS includes "control"."""
+class DrainReq(_Msg, tag="drain", frozen=True, kw_only=True):
+    """operator (`kvseal drain`) -> worker: take no new request, finish those in flight, then exit."""
 
     call_id: int
-    spec: str  # the same syntax as the environment variable, "" for none
+
+
+class DrainResp(_Msg, tag="draining", frozen=True, kw_only=True):
+    call_id: int
+    inflight: int  # requests still to finish before the worker exits
+
+
+class DrainNotice(_Msg, tag="drain_notice", frozen=True, kw_only=True):
+    """worker -> every router it serves, once, when it starts draining: send it nothing new."""
+
+
+class JoinReq(_Msg, tag="join", frozen=True, kw_only=True):
+    """worker (`--router`) -> the router's fleet socket: check me (seal 7) and put me in rotation."""
+
+    call_id: int
+    role: str
+    endpoint: str  # the worker's control endpoint, as the router should connect to it
+
+
+class JoinResp(_Msg, tag="joined", frozen=True, kw_only=True):
+    call_id: int
+    accepted: bool
+    reason: str = ""  # why it was refused: the fleet check's message, with both numbers and both fixes
+    context_window: int = 0
 
 
 class DeltaMsg(_Msg, tag="delta", frozen=True, kw_only=True):
-    """decode -> router: new output of a request (after its KV was verified)."""
+    """decode -> router: new output of a request (after its KV was verified).
+
+    `seq` numbers a request's deltas 0, 1, 2, ...; the router checks that each is the next one, so a lost,
+    repeated or reordered delta ends the request FAILED instead of answering with text missing."""
 
     delta: GenerateDelta
+    seq: int
 
 
 Message = (InfoReq | InfoResp | ReserveReq | ReserveResp | PrefillReq | PrefillResp | ReleaseReq | RenewReq
-           | HandoffStarted | AbortReq | SetFaultsReq | DeltaMsg)
+           | HandoffStarted | AbortReq | DrainReq | DrainResp | DrainNotice | JoinReq | JoinResp | DeltaMsg)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -3,6 +3,11 @@
 Each turn of the loop: read every pending control message, let the role move KV (prefill: send and poll
 handoffs; decode: receive, verify, admit), run one engine step if there is work, and route the outputs.
 Messages wait at most one engine step.
+
+No frame from a peer ends this process: a message that does not decode is dropped, one that a handler cannot
+take is refused with a log line, and a handler that fails unexpectedly fails only the request it named.
+Answers go out through an Outbox (nothing dropped silently). SIGTERM or a DrainReq (`kvseal drain`) starts a
+drain: the routers are told, no new request is taken, and the process exits once those in flight have ended.
 """
 
 from __future__ import annotations
@@ -10,71 +15,105 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from typing import Any
 
-import msgspec
 import zmq
 
-from kvseal import faults as faults_mod
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateDelta
-from kvseal.errors import InternalError, InvalidRequest, KvsealError
-from kvseal.faults import Faults, warn_if_on
+from kvseal.errors import InternalError, InvalidRequest, KvsealError, WorkerDraining
+from kvseal.hooks import Hooks
+from kvseal.identity import new_instance_id, tokenizer_digest
 from kvseal.launch import LAUNCHER_PID_ENV
 from kvseal.worker import protocol as P
+from kvseal.worker.join import Registration
+from kvseal.worker.outbox import Outbox
 
 log = logging.getLogger("kvseal.worker")
+
+# exit status of a worker whose --router refused it (the reason is in its log and in the router's /info)
+EXIT_REFUSED = 3
 
 
 class WorkerServer:
     role = "worker"
 
-    def __init__(self, engine: Engine, bind: str, faults: Faults) -> None:
-        self.engine, self.faults = engine, faults
+    def __init__(self, engine: Engine, bind: str, hooks: Hooks, drain_timeout_s: float = 600.0) -> None:
+        self.engine, self.hooks = engine, hooks
         self.ctx = zmq.Context()
         self.ctrl: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
         self.ctrl.setsockopt(zmq.LINGER, 0)
         self.ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.ctrl.bind(bind)
         self.endpoint = self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.outbox = Outbox(self.ctrl)
         self.poller = zmq.Poller()
         self.poller.register(self.ctrl, zmq.POLLIN)
         self._stop = False
+        self.exit_code = 0
+        self.instance = new_instance_id()
+        self.tokenizer_digest = tokenizer_digest(engine.tokenizer)
+        self.peers: set[bytes] = set()  # every router that sent a message: told when this worker drains
+        self.drain_timeout_s = drain_timeout_s
+        self.draining_since: float | None = None
+        self._drain_asked: str | None = None
+        self.join: Registration | None = None  # set when started with --router
         # set by `kvseal serve` (launch.Fleet) for the workers it starts: never outlive that process, even one
         # that died while this worker was still loading its model. A worker started on its own has no parent.
         launcher = os.environ.get(LAUNCHER_PID_ENV)
         self._parent = int(launcher) if launcher else None
         self.counters: dict[str, int] = {"kv_bytes_sent": 0, "kv_bytes_received": 0, "transfers_acked": 0,
-                                         "transfers_refused": 0, "requests_received": 0}
+                                         "transfers_refused": 0, "requests_received": 0, "frames_refused": 0}
 
     # -- plumbing ---------------------------------------------------------------------------------------
     def send(self, ident: bytes, msg: P.Message) -> None:
-        try:
-            self.ctrl.send_multipart([ident, P.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the router went away; its requests end by their own timeouts
-            log.warning("could not answer %r: %s", ident, exc)
+        self.outbox.send(ident, P.encode(msg))
 
     def info(self) -> dict[str, Any]:
         return {**self.engine.info(), **self.counters, "control_endpoint": self.endpoint,
                 "model_window": min(self.engine.arch.max_position,
-                                    self.engine.cfg.model.max_model_len or self.engine.arch.max_position)}
+                                    self.engine.cfg.model.max_model_len or self.engine.arch.max_position),
+                "instance": self.instance, "tokenizer_digest": self.tokenizer_digest,
+                "test_faults": self.hooks.spec, "test_faults_active": self.hooks.active,
+                "draining": self.draining_since is not None, "inflight": self.inflight(),
+                "outbox_queued": self.outbox.queued}
 
     def stop(self, *_: object) -> None:
-        self._stop = True
+        self._drain_asked = "SIGTERM"  # a signal handler only sets a flag; the loop drains (sockets are not reentrant)
 
-    def run(self) -> None:
+    def drain(self, why: str) -> None:
+        if self.draining_since is not None:
+            return
+        self.draining_since = time.monotonic()
+        log.warning("%s: draining %d request(s) in flight, then exiting (at most %gs)", why, self.inflight(),
+                    self.drain_timeout_s)
+        for ident in self.peers:
+            self.send(ident, P.DrainNotice())
+
+    def run(self) -> int:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         log.info("%s worker ready on %s", self.role, self.endpoint)
+        if self.join is not None:
+            self.join.start(self.poller)
         while not self._stop:
             if self._parent is not None and os.getppid() != self._parent:
                 log.warning("parent process exited; stopping")  # never outlive `kvseal serve`
                 break
-            busy = self.engine.has_work() or self.busy()
+            self.hooks.refresh()
+            if self._drain_asked is not None:
+                self.drain(self._drain_asked)
+            busy = self.engine.has_work() or self.busy() or self.outbox.queued > 0
             for sock, _ in self.poller.poll(0 if busy else 20):
                 if sock is self.ctrl:
                     self._drain_ctrl()
-            self.pump()
+                elif self.join is not None:
+                    self._stop = self.join.on_readable(sock, self)
+            try:
+                self.pump()
+            except Exception:  # a fault in moving KV must not end the process
+                log.exception("moving KV failed")
             if self.engine.has_work():
                 try:
                     out = self.engine.step()
@@ -82,27 +121,59 @@ class WorkerServer:
                     log.exception("engine step failed; failing its requests")
                     out = self.engine.fail_all(InternalError("the engine failed while running this request"))
                 self.route(out)
+            for ident in self.outbox.flush():
+                self.peers.discard(ident)
+                self.peer_lost(ident)
+            if self.draining_since is not None and self._drained():
+                break
         self.close()
+        return self.exit_code
+
+    def _drained(self) -> bool:
+        assert self.draining_since is not None
+        if self.inflight() == 0 and self.outbox.queued == 0:
+            log.info("drained; exiting")
+            return True
+        if time.monotonic() - self.draining_since > self.drain_timeout_s:
+            log.error("drain timeout (%gs): failing %d request(s) still in flight", self.drain_timeout_s,
+                      self.inflight())
+            self.route(self.engine.fail_all(WorkerDraining("the worker shut down before this request ended")))
+            self.outbox.flush()
+            return True
+        return False
 
     def _drain_ctrl(self) -> None:
         while True:
             try:
-                ident, data = self.ctrl.recv_multipart(flags=zmq.NOBLOCK)
+                frames = self.ctrl.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            except ValueError:
+            if len(frames) != 2:
+                self._refuse_frame(f"a control message of {len(frames) - 1} frames (expected 1)")
                 continue
+            ident, data = frames
             try:
                 msg = P.decode(data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("dropping a malformed control message: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - msgspec's errors, or anything a hostile frame provokes
+                self._refuse_frame(f"a malformed control message: {exc}"[:300])
                 continue
+            self.peers.add(ident)
             try:
                 self.handle(ident, msg)
             except KvsealError as exc:
-                log.warning("refused %s: %s", type(msg).__name__, exc)
+                self.counters["frames_refused"] += 1
+                log.warning("refused %s: %s", type(msg).__name__, exc.message[:300])
+            except Exception:  # a handler bug must not end the process; the request fails
+                log.exception("handling %s failed", type(msg).__name__)
+                self.handler_failed(msg)
+
+    def _refuse_frame(self, why: str) -> None:
+        self.counters["frames_refused"] += 1
+        log.warning("dropping %s", why)
 
     def close(self) -> None:
+        if self.join is not None:
+            self.join.close()
         self.ctrl.close(0)
         self.ctx.term()
 
@@ -113,14 +184,25 @@ class WorkerServer:
                 self.send(ident, P.InfoResp(call_id=cid, info=self.info()))
             case P.AbortReq(request_id=rid, error=err):
                 self.engine.abort(rid, KvsealError.from_info(err))
-            case P.SetFaultsReq(call_id=cid, spec=spec):
-                if "control" not in self.faults.flags:
-                    raise InvalidRequest("fault injection is off in this worker")
-                self.faults = faults_mod.parse(spec + ",control")
-                warn_if_on(self.faults, f"kvseal {self.role}")
-                self.send(ident, P.InfoResp(call_id=cid, info=self.info()))
+            case P.DrainReq(call_id=cid):
+                self.drain(f"drain requested by {ident!r}")
+                self.send(ident, P.DrainResp(call_id=cid, inflight=self.inflight()))
             case _:
                 raise InvalidRequest(f"a {self.role} worker does not take {type(msg).__name__}")
+
+    def refuse_new(self) -> None:
+        """Raise while draining: a new request goes to another worker."""
+        if self.draining_since is not None:
+            raise WorkerDraining(f"the {self.role} worker at {self.endpoint} is draining and takes no new request")
+
+    def handler_failed(self, msg: P.Message) -> None:
+        """A handler raised unexpectedly: fail the request the message named (pages freed), if any."""
+        rid = getattr(msg, "request_id", None) or getattr(getattr(msg, "request", None), "request_id", None)
+        if isinstance(rid, str):
+            self.engine.fail(rid, InternalError(f"the {self.role} worker failed while handling this request"))
+
+    def inflight(self) -> int:
+        return len(self.engine.seqs)
 
     def busy(self) -> bool:
         return False
@@ -131,3 +213,5 @@ class WorkerServer:
     def route(self, out: list[GenerateDelta]) -> None:
         """Role-specific delivery of engine outputs."""
 
+    def peer_lost(self, ident: bytes) -> None:
+        """The outbox gave up on a router: fail the requests it was to receive (role-specific)."""

@@ -33,7 +33,7 @@ def _audit(url: str, report: Path, strict: bool = False) -> tuple[int, dict]:
 def test_audit_fails_the_incident_and_passes_kvseal(tmp_path: Path) -> None:
     # The incident: prefill's pool (512 tokens) is smaller than the window (1024). Normally the router refuses
     # to start; with the fault it only warns, and prompts between 512 and 1024 tokens walk on as placeholders.
-    bad = Server([*FLEET, "--prefill-kv-pool-tokens", "512"], env={"KVSEAL_TEST_FAULTS": "incident"})
+    bad = Server([*FLEET, "--prefill-kv-pool-tokens", "512", "--test-faults", "incident"])
     try:
         bad.ready(300)
         assert "TEST FAULT INJECTION IS ON" in bad.output()

@@ -119,11 +119,32 @@ class Worker(Proc):
         assert isinstance(resp, P.InfoResp)
         return resp.info
 
-    def set_faults(self, spec: str) -> None:
-        from kvseal.worker import protocol as P
 
-        resp = self.call(lambda cid: P.SetFaultsReq(call_id=cid, spec=spec))
-        assert isinstance(resp, P.InfoResp), resp
+
+class FaultFile:
+    """Test faults a fleet shares and tests change at run time: every process of the fleet is started with
+    `args()` (the same --test-faults, so the router's fleet check passes), and set() writes the file that
+    kvseal/faults.py re-reads, then waits until each worker reports the new faults in /info."""
+
+    def __init__(self) -> None:
+        fd, self.path = tempfile.mkstemp(prefix="kvseal-faults-", suffix=".txt")
+        os.close(fd)
+
+    def args(self) -> list[str]:
+        return ["--test-faults", f"file={self.path}"]
+
+    def remove(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+    def set(self, spec: str, *workers: Worker, timeout: float = 10.0) -> None:
+        from kvseal.faults import parse
+
+        want = parse(f"{spec},file={self.path}" if spec else f"file={self.path}").canonical()
+        with open(self.path, "w", encoding="utf-8") as f:
+            f.write(spec)
+        for w in workers:
+            wait_until(lambda w=w: w.info()["test_faults_active"] == want, timeout, f"{w.role} faults {want!r}")
 
 
 def wait_until(cond: object, timeout: float = 30.0, what: str = "condition") -> None:

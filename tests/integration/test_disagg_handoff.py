@@ -15,7 +15,7 @@ from kvseal.config import CacheConfig, EngineConfig, ModelConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.model.checkpoint import Checkpoint
-from tests.helpers.procs import Server, Worker, wait_until
+from tests.helpers.procs import FaultFile, Server, Worker, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 MODEL = "SmolLM2-135M-Instruct"
@@ -24,12 +24,13 @@ ARGS = ["--max-model-len", "2048", "--kv-pool-tokens", "4096", "--max-num-batche
 
 class Fleet:
     def __init__(self) -> None:
-        self.prefill = Worker("prefill", ARGS, env={"KVSEAL_TEST_FAULTS": "control"})
-        self.decode = Worker("decode", ARGS)
+        self.faults = FaultFile()  # the whole fleet runs with the same (runtime-changeable) test faults
+        self.prefill = Worker("prefill", [*ARGS, *self.faults.args()])
+        self.decode = Worker("decode", [*ARGS, *self.faults.args()])
         self.prefill.ready()
         self.decode.ready()
-        self.router = Server(["--prefill", self.prefill.endpoint, "--decode", self.decode.endpoint],
-                             command="router").ready()
+        self.router = Server(["--prefill", self.prefill.endpoint, "--decode", self.decode.endpoint,
+                              *self.faults.args()], command="router").ready()
         self.client = openai.OpenAI(base_url=self.router.url + "/v1", api_key="x", max_retries=0, timeout=300)
 
     def at_baseline(self) -> bool:
@@ -41,6 +42,7 @@ class Fleet:
     def stop(self) -> None:
         for proc in (self.router, self.prefill, self.decode):
             proc.stop()
+        self.faults.remove()
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +58,14 @@ def fleet() -> Iterator[Fleet]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_decode_refuses_kv_that_is_not_what_it_reserved(fleet: Fleet, fault: str, stream: bool) -> None:
     before = fleet.decode.info()
-    fleet.prefill.set_faults(fault)
+    fleet.faults.set(fault, fleet.prefill)
     try:
         with pytest.raises(openai.APIStatusError) as e:
             r = fleet.client.completions.create(model=MODEL, prompt="Tell me a story about a dragon.",
                                                 max_tokens=8, temperature=0, stream=stream)
             list(r) if stream else None
     finally:
-        fleet.prefill.set_faults("")
+        fleet.faults.set("", fleet.prefill)
     assert e.value.status_code == 502, e.value
     assert e.value.code == "kv_verification_failed"
     after = fleet.decode.info()
@@ -76,12 +78,12 @@ def test_decode_refuses_kv_that_is_not_what_it_reserved(fleet: Fleet, fault: str
 
 def test_prefill_refusal_reaches_client_with_its_error_and_moves_nothing(fleet: Fleet) -> None:
     p0, d0 = fleet.prefill.info(), fleet.decode.info()
-    fleet.prefill.set_faults("prefill_reject_over=20")
+    fleet.faults.set("prefill_reject_over=20", fleet.prefill)
     try:
         with pytest.raises(openai.BadRequestError) as e:
             fleet.client.completions.create(model=MODEL, prompt="word " * 60, max_tokens=4)
     finally:
-        fleet.prefill.set_faults("")
+        fleet.faults.set("", fleet.prefill)
     assert e.value.code == "prefill_policy" and "prefill worker policy refused" in e.value.message
     p1, d1 = fleet.prefill.info(), fleet.decode.info()
     assert d1["requests_received"] == d0["requests_received"] + 1  # decode did reserve ...

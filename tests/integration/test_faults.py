@@ -1,5 +1,6 @@
 """Faults survived, with real processes: a decode worker killed mid-stream, a prefill worker killed
-mid-prefill, restarted workers rejoining, a stalled transfer, and a decode pool exhausted under load.
+mid-prefill, restarted workers rejoining (checked again), a stalled transfer, and a decode pool exhausted
+under load (requests wait for pages in arrival order).
 Every case checks that no wrong output is returned, the client gets a well-formed error or a correct
 answer, and every pool returns to baseline (seal 8)."""
 
@@ -12,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.helpers.procs import Server, Worker, wait_until
+from tests.helpers.procs import FaultFile, Server, Worker, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 MODEL = "SmolLM2-135M-Instruct"
@@ -21,19 +22,18 @@ ARGS = ["--max-model-len", "1024", "--kv-pool-tokens", "2048"]
 
 class Fleet:
     def __init__(self) -> None:
-        self.prefill = Worker("prefill", [*ARGS, "--transfer-timeout", "10"],
-                              env={"KVSEAL_TEST_FAULTS": "control"}).ready()
-        self.decode = Worker("decode", [*ARGS, "--reservation-timeout", "30"]).ready()
+        self.faults = FaultFile()
+        self.prefill = Worker("prefill", [*ARGS, "--transfer-timeout", "10", *self.faults.args()]).ready()
+        self.decode = Worker("decode", [*ARGS, "--reservation-timeout", "30", *self.faults.args()]).ready()
         self.router = Server(["--prefill", self.prefill.endpoint, "--decode", self.decode.endpoint,
-                              "--wait-timeout", "3"], command="router").ready()
+                              *self.faults.args()], command="router").ready()
 
     def restart(self, role: str) -> None:
         old = self.prefill if role == "prefill" else self.decode
         old.stop(signal.SIGKILL)
-        args = [*ARGS, "--port", str(old.port)] + (["--transfer-timeout", "10"] if role == "prefill" else
-                                                   ["--reservation-timeout", "30"])
-        env = {"KVSEAL_TEST_FAULTS": "control"} if role == "prefill" else None
-        new = Worker(role, args, env)
+        args = [*ARGS, "--port", str(old.port), *self.faults.args()] + (
+            ["--transfer-timeout", "10"] if role == "prefill" else ["--reservation-timeout", "30"])
+        new = Worker(role, args)
         new.port, new.endpoint = old.port, old.endpoint
         new.ready()
         setattr(self, role, new)
@@ -56,6 +56,7 @@ class Fleet:
     def stop(self) -> None:
         for proc in (self.router, self.prefill, self.decode):
             proc.stop()
+        self.faults.remove()
 
 
 @pytest.fixture(scope="module")
@@ -112,18 +113,18 @@ def test_prefill_killed_mid_prefill_then_rejoins(fleet: Fleet) -> None:
 
 
 def test_stalled_transfer_times_out_cleanly(fleet: Fleet) -> None:
-    fleet.prefill.set_faults("stall_transfer=35")  # longer than decode's 30 s reservation timeout
+    fleet.faults.set("stall_transfer=35", fleet.prefill)  # longer than decode's 30 s reservation timeout
     try:
         r = fleet.complete()
     finally:
-        fleet.prefill.set_faults("")
+        fleet.faults.set("", fleet.prefill)
     assert r.status_code == 504, r.text
     assert r.json()["error"]["code"] == "transfer_timeout"
     wait_until(fleet.at_baseline, 60, "pools back to baseline")  # the late KV is refused and freed too
     assert fleet.complete().status_code == 200
 
 
-def test_decode_pool_exhaustion_waits_then_503_never_wrong(fleet: Fleet) -> None:
+def test_decode_pool_exhaustion_queues_and_every_answer_is_right(fleet: Fleet) -> None:
     prompt = "Describe the ocean. " * 60  # ~300 prompt tokens: a few fill decode's 2,048-token pool
     first = fleet.complete(prompt, 40)
     assert first.status_code == 200, first.text
@@ -134,14 +135,7 @@ def test_decode_pool_exhaustion_waits_then_503_never_wrong(fleet: Fleet) -> None
 
     with ThreadPoolExecutor(12) as pool:
         results = list(pool.map(one, range(12)))
-    codes = sorted(r.status_code for r in results)
-    # 503: no decode pages within the router's 3 s wait. 504: this fleet's 30 s reservation timeout (short for
-    # the stall test) can expire while prefill works through the queue. Either is a clean refusal.
-    assert set(codes) <= {200, 503, 504}, codes
-    for r in results:
-        if r.status_code == 200:
-            assert r.json()["choices"][0]["text"] == ref  # under pressure: right or refused, never wrong
-        else:
-            _error_shape(r.json())
-    assert 200 in codes
+    # more than the pool holds at once: the rest wait for pages in arrival order, and a busy fleet is no error
+    assert [r.status_code for r in results] == [200] * 12, [r.text for r in results if r.status_code != 200]
+    assert all(r.json()["choices"][0]["text"] == ref for r in results)  # under pressure: right, never wrong
     wait_until(fleet.at_baseline, 60, "pools back to baseline")

@@ -14,7 +14,7 @@ from kvseal.config import CacheConfig, EngineConfig, ModelConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.model.checkpoint import Checkpoint
-from tests.helpers.procs import Server, Worker, wait_until
+from tests.helpers.procs import FaultFile, Server, Worker, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 MODEL = "SmolLM2-135M-Instruct"
@@ -23,10 +23,11 @@ ARGS = ["--max-model-len", "1024", "--kv-pool-tokens", "2048", "--kv-dtype", "bf
 
 class Fleet:
     def __init__(self) -> None:
-        self.prefill = Worker("prefill", ARGS, env={"KVSEAL_TEST_FAULTS": "control"}).ready()
-        self.decode = Worker("decode", ARGS).ready()
-        self.router = Server(["--prefill", self.prefill.endpoint, "--decode", self.decode.endpoint],
-                             command="router").ready()
+        self.faults = FaultFile()
+        self.prefill = Worker("prefill", [*ARGS, *self.faults.args()]).ready()
+        self.decode = Worker("decode", [*ARGS, *self.faults.args()]).ready()
+        self.router = Server(["--prefill", self.prefill.endpoint, "--decode", self.decode.endpoint,
+                              *self.faults.args()], command="router").ready()
 
     def at_baseline(self) -> bool:
         p, d = self.prefill.info(), self.decode.info()
@@ -35,6 +36,7 @@ class Fleet:
     def stop(self) -> None:
         for proc in (self.router, self.prefill, self.decode):
             proc.stop()
+        self.faults.remove()
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +85,12 @@ def test_bfloat16_handoff_equals_unified_and_moves_half_the_bytes(fleet: Fleet, 
 @pytest.mark.parametrize("fault", ["flip_byte", "short_pages"])
 def test_bfloat16_kv_that_is_not_what_was_reserved_is_refused(fleet: Fleet, fault: str) -> None:
     client = openai.OpenAI(base_url=fleet.router.url + "/v1", api_key="x", max_retries=0, timeout=300)
-    fleet.prefill.set_faults(fault)
+    fleet.faults.set(fault, fleet.prefill)
     try:
         with pytest.raises(openai.APIStatusError) as e:
             client.completions.create(model=MODEL, prompt="Tell me a story about a dragon.", max_tokens=8,
                                       temperature=0)
     finally:
-        fleet.prefill.set_faults("")
+        fleet.faults.set("", fleet.prefill)
     assert e.value.status_code == 502 and e.value.code == "kv_verification_failed"
     wait_until(fleet.at_baseline, 30, "pools back to baseline")

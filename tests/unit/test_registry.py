@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvseal.errors import CapacityMismatch
-from kvseal.router.registry import check_fleet
+from kvseal.router.registry import FleetSpec, check_fleet, check_worker
 
 BASE = {"model_fingerprint": "f", "page_size": 16, "kv_dtype": "float32", "kv_layout": "kt:L30xPx3x64xS",
         "kernels": "native", "arithmetic": "fast/int8", "pool_tokens": 8192}
@@ -27,3 +27,33 @@ def test_every_difference_is_named_at_once_and_a_small_pool_is_refused() -> None
     with pytest.raises(CapacityMismatch, match="holds 2048 tokens"):
         check_fleet([("prefill 1", BASE), ("decode 1", {**BASE, "pool_tokens": 2048})], 4096)
     check_fleet([("prefill 1", BASE), ("decode 1", dict(BASE))], 8192)  # an agreeing fleet passes
+
+
+SPEC = FleetSpec(window=4096, agreed={k: BASE[k] for k in BASE if k != "pool_tokens"}, tokenizer_digest="sha256:t",
+                 test_faults="")
+JOINER = {**BASE, "role": "prefill", "context_window": 4096, "tokenizer_digest": "sha256:t", "test_faults": ""}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"pool_tokens": 1024}, "holds 1024 tokens, fewer than the 4096-token context window"),
+    ({"context_window": 2048}, "serves a context window of 2048 tokens, smaller than the 4096-token window"),
+    ({"page_size": 32}, "page_size=32 but the fleet has page_size=16"),
+    ({"arithmetic": "exact/native"}, "arithmetic='exact/native'"),
+    ({"tokenizer_digest": "sha256:other"}, "tokenizer sha256:other but the router has sha256:t"),
+    ({"test_faults": "flip_byte"}, "test faults 'flip_byte' but the router with 'none'"),
+    ({"role": "decode"}, "is a 'decode' worker, not a 'prefill' one"),
+])
+def test_a_joining_worker_is_checked_in_full(change: dict, message: str) -> None:
+    check_worker("prefill 2", "prefill", JOINER, SPEC)  # the unchanged worker passes
+    with pytest.raises(CapacityMismatch, match=message.replace("(", r"\(")):
+        check_worker("prefill 2", "prefill", {**JOINER, **change}, SPEC)
+
+
+def test_a_worker_of_another_version_is_refused_and_the_incident_fault_skips_only_capacity() -> None:
+    old = {k: v for k, v in JOINER.items() if k != "tokenizer_digest"}
+    with pytest.raises(CapacityMismatch, match="does not report tokenizer_digest"):
+        check_worker("prefill 2", "prefill", old, SPEC)
+    check_worker("prefill 2", "prefill", {**JOINER, "pool_tokens": 512, "context_window": 512}, SPEC,
+                 capacity=False)
+    with pytest.raises(CapacityMismatch, match="page_size"):
+        check_worker("prefill 2", "prefill", {**JOINER, "page_size": 32}, SPEC, capacity=False)

@@ -1,0 +1,62 @@
+"""A worker started with `--router HOST:PORT` asks that router to admit it.
+
+The router checks the worker in full (seal 7, router/registry.py) before it sends it a request: the same check as
+at the router's start and at every reconnect. A refusal carries the reason, which this worker logs before it
+exits with EXIT_REFUSED; the router keeps showing the refused worker and the reason in its /info.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from kvseal.worker import protocol as P
+
+if TYPE_CHECKING:
+    from kvseal.worker.server import WorkerServer
+
+log = logging.getLogger("kvseal.worker")
+
+
+class Registration:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], router: str, role: str, endpoint: str) -> None:
+        self.router, self.role, self.endpoint = router, role, endpoint
+        self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.accepted = False
+
+    def start(self, poller: zmq.Poller) -> None:
+        """Connect and ask once: ZeroMQ holds the request until the router is up."""
+        self.sock.connect(self.router)
+        self.sock.send(P.encode(P.JoinReq(call_id=1, role=self.role, endpoint=self.endpoint)))
+        poller.register(self.sock, zmq.POLLIN)
+        log.info("asked the router at %s to admit this %s worker (%s)", self.router, self.role, self.endpoint)
+
+    def on_readable(self, sock: zmq.Socket[bytes], server: WorkerServer) -> bool:
+        """Read the router's verdict; True when this worker must stop (refused)."""
+        from kvseal.worker.server import EXIT_REFUSED
+
+        if sock is not self.sock:
+            return False
+        try:
+            msg = P.decode(self.sock.recv(zmq.NOBLOCK))
+        except (zmq.Again, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("unreadable answer from the router at %s: %s", self.router, exc)
+            return False
+        if not isinstance(msg, P.JoinResp):
+            log.warning("the router at %s answered %s to a join", self.router, type(msg).__name__)
+            return False
+        if msg.accepted:
+            self.accepted = True
+            log.info("the router at %s admitted this worker (context window %d tokens)", self.router,
+                     msg.context_window)
+            return False
+        log.error("the router at %s refused this worker: %s", self.router, msg.reason)
+        server.exit_code = EXIT_REFUSED
+        return True
+
+    def close(self) -> None:
+        self.sock.close(0)
