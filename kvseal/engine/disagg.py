@@ -162,10 +162,12 @@ class DecodeEngine(Engine):
     def pages_available(self) -> int:
         """Free pages a new reservation may take. Requests already here come first: pages that waiting (e.g.
         preempted) sequences need to run again are not handed out, or a stream of new arrivals could starve
-        them."""
+        them; and every request here keeps one page of room to grow, so that admitting more does not force
+        the ones decoding into preemption (their KV dropped and recomputed here)."""
         owed = sum(max(-(-(s.num_tokens + 1) // self.pool.page_size) - len(s.pages), 0)
                    for s in self.scheduler.waiting)
-        return self.allocator.num_free - owed
+        growing = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self.reserved)
+        return self.allocator.num_free - owed - growing
 
     def admit_verified(self, request_id: str, first_token: int, first_logprob: TokenLogprob | None) -> None:
         """The arrived KV matched the reservation and sits in seq.pages: join the batch."""

@@ -32,6 +32,7 @@ from kvseal.errors import (
     NoWorkerAvailable,
     Overloaded,
     RequestAborted,
+    StreamBroken,
     TransferTimeout,
     WorkerDraining,
     WorkerFailed,
@@ -317,8 +318,10 @@ class DisaggBackend:
         Before the first one, a prefill failure ends the request, and while the prompt is still queued or
         computing on prefill, decode's reservation is renewed and nothing times out: a busy prefill queue is not
         a transfer timeout (a prefill worker that dies or goes silent fails the request at once). Once prefill
-        reports the handoff started, the first delta is due within handoff_timeout_s (decode's own reservation
-        timeout bounds the transfer too); later deltas within stall_timeout_s of each other."""
+        reports the handoff started, the first delta is due within handoff_timeout_s, later ones within
+        stall_timeout_s of each other; when one is overdue, decode is asked whether it still holds the request
+        (waiting for pages, preempted): then the wait goes on, else its final delta was lost and the request
+        fails (StreamBroken)."""
         renew_every = min(self.renew_every_s, float(decode.info.get("reservation_timeout_s", 120.0)) / 4)
         deadline: float | None = None
         get = asyncio.ensure_future(q.get())
@@ -329,7 +332,10 @@ class DisaggBackend:
                     deadline = time.monotonic() + (self.handoff_timeout_s if first else self.stall_timeout_s)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    break
+                    if not await self._still_live(decode, req.request_id, get):
+                        break
+                    deadline = None
+                    continue
                 waiting: set[asyncio.Future[Any]] = {get}
                 if first and not prefill_task.done():
                     waiting.add(prefill_task)
@@ -355,8 +361,19 @@ class DisaggBackend:
             return await self._next(q, prefill_task, started, prefill, decode, first, req)
         if first:
             return TransferTimeout(f"no verified KV handoff for {req.request_id} within "
-                                   f"{self.handoff_timeout_s:g}s of its start").to_info(), decode
-        return WorkerFailed(f"{decode.name} produced nothing for {self.stall_timeout_s:g}s").to_info(), decode
+                                   f"{self.handoff_timeout_s:g}s of its start, and {decode.name} no longer holds "
+                                   f"it").to_info(), decode
+        return StreamBroken(f"request {req.request_id}: {decode.name} no longer holds it, but its final delta "
+                            f"never arrived; the answer is incomplete").to_info(), decode
+
+    async def _still_live(self, decode: WorkerClient, rid: str, get: asyncio.Future[Any]) -> bool:
+        """Output is overdue: True when decode still holds the request (or output arrived meanwhile). Decode
+        answers on the same ordered channel as its deltas: any delta sent before its answer is in by then."""
+        try:
+            resp = await decode.call(lambda cid: P.StatusReq(call_id=cid, request_id=rid), 30.0)
+        except WorkerFailed:
+            return get.done()
+        return get.done() or (isinstance(resp, P.StatusResp) and resp.live)
 
     async def _prefill_settled(self, task: asyncio.Task[P.Message], rid: str) -> int:
         """Decode is done; hold the last delta until prefill reported the handoff ended (its pages scrubbed

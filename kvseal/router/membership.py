@@ -70,7 +70,8 @@ class Membership:
         if to not in _MOVES[self.standing]:
             raise IllegalMove(f"{self.name}: {self.standing.name} -> {to.name} is not a move")
         self.standing, self.reason, self.since = to, reason, time.monotonic()
-        level = logging.ERROR if to in (Standing.REFUSED, Standing.LOST) else logging.WARNING
+        level = {Standing.REFUSED: logging.ERROR, Standing.LOST: logging.ERROR, Standing.DRAINING: logging.WARNING,
+                 Standing.LEFT: logging.WARNING}.get(to, logging.INFO)
         log.log(level, "%s: %s%s", self.name, describe(to), f": {reason}" if reason else "")
         return True
 

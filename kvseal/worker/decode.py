@@ -175,6 +175,12 @@ class DecodeWorker(WorkerServer):
     def inflight(self) -> int:
         return len(self.dengine.seqs) + len(self.queue)
 
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self.dengine.seqs or any(q.request.request_id == request_id for q in self.queue)
+
+    def sent_deltas(self, request_id: str) -> int:
+        return self.next_seq.get(request_id, 0)
+
     def close(self) -> None:
         self.transport.close()
         super().close()

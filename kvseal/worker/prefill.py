@@ -77,6 +77,9 @@ class PrefillWorker(WorkerServer):
     def inflight(self) -> int:
         return len(self.pengine.seqs) + len(self.jobs)
 
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self.pengine.seqs or request_id in self.jobs
+
     def peer_lost(self, ident: bytes) -> None:
         err = WorkerFailed("the router stopped reading; this request ended on the prefill worker")
         for rid in [rid for rid, job in self.jobs.items() if job.ident == ident]:

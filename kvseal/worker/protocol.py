@@ -92,6 +92,20 @@ class AbortReq(_Msg, tag="abort", frozen=True, kw_only=True):
     error: ErrorInfo
 
 
+class StatusReq(_Msg, tag="status", frozen=True, kw_only=True):
+    """router -> worker: is this request still live here? Asked when a request's output is overdue, so that a
+    request that waits (queued, preempted) is not mistaken for one whose final delta was lost."""
+
+    call_id: int
+    request_id: str
+
+
+class StatusResp(_Msg, tag="status_is", frozen=True, kw_only=True):
+    call_id: int
+    live: bool  # the worker still holds the request (queued, reserved, running or waiting)
+    sent: int  # deltas sent for it so far (decode), numbered 0 .. sent - 1
+
+
 class DrainReq(_Msg, tag="drain", frozen=True, kw_only=True):
     """operator (`kvseal drain`) -> worker: take no new request, finish those in flight, then exit."""
 
@@ -133,7 +147,7 @@ class DeltaMsg(_Msg, tag="delta", frozen=True, kw_only=True):
 
 
 Message = (InfoReq | InfoResp | ReserveReq | ReserveResp | PrefillReq | PrefillResp | ReleaseReq | RenewReq
-           | HandoffStarted | AbortReq | DrainReq | DrainResp | DrainNotice | JoinReq | JoinResp | DeltaMsg)
+           | HandoffStarted | AbortReq | StatusReq | StatusResp | DrainReq | DrainResp | DrainNotice | JoinReq | JoinResp | DeltaMsg)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

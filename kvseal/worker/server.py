@@ -184,6 +184,8 @@ class WorkerServer:
                 self.send(ident, P.InfoResp(call_id=cid, info=self.info()))
             case P.AbortReq(request_id=rid, error=err):
                 self.engine.abort(rid, KvsealError.from_info(err))
+            case P.StatusReq(call_id=cid, request_id=rid):
+                self.send(ident, P.StatusResp(call_id=cid, live=self.is_live(rid), sent=self.sent_deltas(rid)))
             case P.DrainReq(call_id=cid):
                 self.drain(f"drain requested by {ident!r}")
                 self.send(ident, P.DrainResp(call_id=cid, inflight=self.inflight()))
@@ -203,6 +205,12 @@ class WorkerServer:
 
     def inflight(self) -> int:
         return len(self.engine.seqs)
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self.engine.seqs
+
+    def sent_deltas(self, request_id: str) -> int:
+        return 0
 
     def busy(self) -> bool:
         return False

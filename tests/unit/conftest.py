@@ -10,12 +10,20 @@ from kvseal.engine.engine import Engine
 from kvseal.model.checkpoint import Checkpoint, ModelArch
 
 
+class _FakeBackend:
+    def to_str(self) -> str:  # what identity.tokenizer_digest hashes
+        return "fake: one character per token id"
+
+
 class FakeTokenizer:
     """One character per token id: 'a' + id % 26. Id 1 is EOS."""
 
     bos_id = None
     eos_ids = (1,)
     vocab_size = 64
+    add_bos = False
+    chat_template = bos_token = eos_token = None
+    backend = _FakeBackend()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(ord("a") + i % 26) for i in ids if not (skip_special_tokens and i in self.eos_ids))
