@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvseal.faults import InjectedFaults, hooks_from_spec, parse
-from kvseal.hooks import NO_FAULTS
+from kvseal.faults import parse
 from kvseal.worker import protocol as P
 
 
@@ -39,6 +38,9 @@ def test_the_cli_refuses_a_bad_spec_before_loading_anything(capsys: pytest.Captu
 
 
 def test_canonical_spec_and_no_faults_means_the_product_hooks() -> None:
+    from kvseal.faults import hooks_from_spec
+    from kvseal.hooks import NO_FAULTS
+
     assert parse(" wrong_nonce , stall_transfer=2.50,flip_byte ").canonical() == \
         "flip_byte,stall_transfer=2.5,wrong_nonce"
     assert hooks_from_spec(None, "t") is NO_FAULTS and hooks_from_spec("", "t") is NO_FAULTS
@@ -46,6 +48,8 @@ def test_canonical_spec_and_no_faults_means_the_product_hooks() -> None:
 
 
 def test_runtime_faults_come_from_the_file_only_and_stay_strict(tmp_path: Path) -> None:
+    from kvseal.faults import InjectedFaults, hooks_from_spec
+
     path = tmp_path / "faults"
     hooks = hooks_from_spec(f"file={path}", "t")
     assert isinstance(hooks, InjectedFaults)
