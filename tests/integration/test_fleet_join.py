@@ -51,22 +51,17 @@ def test_a_restarted_worker_with_a_small_pool_stays_out_loudly(fleet: Fleet) -> 
     prompt = "The river flows past the old mill. " * 70  # ~560 tokens: inside the window, over 512
     assert fleet.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4).usage.prompt_tokens > 512
     fleet.restart_prefill(["--max-model-len", str(WINDOW), "--kv-pool-tokens", "512"])
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
-    answers: list[httpx.Response] = []
-
-    def answered() -> bool:  # once the router has seen the restart (until then: 502, the worker is gone)
-        answers.append(httpx.post(fleet.router.url + "/v1/completions", json=body, timeout=120))
-        return answers[-1].status_code != 502
-
-    wait_until(answered, 30, "the router noticed the restarted worker")
-    # the only prefill worker is out: a 503 at once, never the small pool's 400 for a prompt inside the window
-    r = answers[-1]
+    # once the router has read the new process's /info (its pool of 512 tokens) ...
+    wait_until(lambda: fleet.worker_entries("prefill")[0].get("pool_tokens") == 512, 30, "the router saw the restart")
+    # ... the only prefill worker is out: a 503 at once, never the small pool's 400 for a prompt inside the window
+    r = httpx.post(fleet.router.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4},
+                   timeout=120)
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "no_worker" and "no prefill worker" in r.json()["error"]["message"]
     assert r.headers["retry-after"]
     assert fleet.prefill.info()["requests_received"] == 0  # it never got a request
+    wait_until(lambda: fleet.worker_entries("prefill")[0]["state"] == "refused", 10, "the worker refused")
     (entry,) = fleet.worker_entries("prefill")
-    assert entry["state"] == "refused", entry
     assert "holds 512 tokens" in entry["reason"] and "1024-token context window" in entry["reason"], entry
     assert "--kv-pool-tokens 1024" in entry["reason"], entry
     assert "refused" in fleet.router.output() and "holds 512 tokens" in fleet.router.output()
