@@ -10,9 +10,19 @@ from kvseal.engine.engine import Engine
 from kvseal.model.checkpoint import Checkpoint, ModelArch
 
 
+class _FakeEncoding:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+
 class _FakeBackend:
+    """The parts of a `tokenizers.Tokenizer` kvseal calls beside the Tokenizer: the digest and batch encoding."""
+
     def to_str(self) -> str:  # what identity.tokenizer_digest hashes
         return "fake: one character per token id"
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[_FakeEncoding]:
+        return [_FakeEncoding([ord(c) - ord("a") + 2 for c in t]) for t in texts]
 
 
 class FakeTokenizer:
