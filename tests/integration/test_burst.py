@@ -103,6 +103,7 @@ def test_every_response_carries_a_request_id_and_a_failure_is_logged_once(server
         r = httpx.request(method, server.url + path, json=body, timeout=30)
         assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"]), r.headers
         ids.append((r.status_code, r.headers["x-request-id"]))
+    wait_until(lambda: f"request {ids[-1][1]}" in server.output(), 10, "the last failure logged")
     time.sleep(0.5)
     log = server.output().splitlines()
     for status, rid in ids:

@@ -58,7 +58,12 @@ def test_a_lost_delta_fails_the_request_instead_of_a_200_with_text_missing(fleet
     err = r.json()["error"]
     assert err["code"] == "stream_incomplete" and "hole" in err["message"], err
     assert r.headers["x-request-id"]
-    logged = [line for line in fleet.router.output().splitlines() if r.headers["x-request-id"] in line]
+    def logged() -> list[str]:  # written once the response is out
+        return [line for line in fleet.router.output().splitlines() if r.headers["x-request-id"] in line]
+
+    wait_until(logged, 10, "the failed request logged")
+    time.sleep(0.5)
+    logged = logged()
     assert len(logged) == 1 and "status=502" in logged[0] and "stream_incomplete" in logged[0], logged
     assert "stage=decoding" in logged[0] and "decode worker" in logged[0], logged
     wait_until(fleet.at_baseline, 30, "pools back to baseline")  # decode was told: the request ended there
