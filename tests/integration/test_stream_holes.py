@@ -63,9 +63,9 @@ def test_a_lost_delta_fails_the_request_instead_of_a_200_with_text_missing(fleet
 
     wait_until(logged, 10, "the failed request logged")
     time.sleep(0.5)
-    logged = logged()
-    assert len(logged) == 1 and "status=502" in logged[0] and "stream_incomplete" in logged[0], logged
-    assert "stage=decoding" in logged[0] and "decode worker" in logged[0], logged
+    lines = logged()
+    assert len(lines) == 1 and "status=502" in lines[0] and "stream_incomplete" in lines[0], lines
+    assert "stage=decoding" in lines[0] and "decode worker" in lines[0], lines
     wait_until(fleet.at_baseline, 30, "pools back to baseline")  # decode was told: the request ended there
 
 
