@@ -110,7 +110,8 @@ def test_drain_finishes_the_requests_in_flight_before_the_worker_leaves(fleet: F
     import sys
 
     for how, worker in (("kvseal drain", None), ("SIGTERM", None)):
-        body = {"model": MODEL, "prompt": "Write a long story about a lighthouse.", "max_tokens": 80,
+        # 600 tokens: long enough to still be in flight when the drain arrives (80 could finish first)
+        body = {"model": MODEL, "prompt": "Write a long story about a lighthouse.", "max_tokens": 600,
                 "temperature": 0, "ignore_eos": True, "stream": True}
         text: list[str] = []
         with httpx.stream("POST", fleet.router.url + "/v1/completions", json=body, timeout=300) as r:
