@@ -85,11 +85,13 @@ def start(how: Launch, port: int, log_path: str, timeout: float) -> ManagedServe
 
 def bench_command(base_url: str, result_json: str, *, input_len: int, output_len: int, num_prompts: int,
                   concurrency: str, plot: str | None, extra: Sequence[str] = (),
-                  python: str = sys.executable) -> list[str]:
+                  prompts_per_level: str | None = None, python: str = sys.executable) -> list[str]:
     """The `kvseal bench` argv for one workload; `extra` comes last, so it can override any flag."""
     cmd = [python, "-m", "kvseal", "bench", "--base-url", base_url, "--dataset", "fixed",
            "--input-len", str(input_len), "--output-len", str(output_len), "--num-prompts", str(num_prompts),
            "--max-concurrency", concurrency, "--fresh-prompts", "--result-json", result_json]
+    if prompts_per_level:
+        cmd += ["--prompts-per-level", prompts_per_level]
     if plot:
         cmd += ["--plot", plot]
     return [*cmd, *extra]
@@ -101,7 +103,8 @@ def workload_commands(a: argparse.Namespace, extra: Sequence[str], url: str, out
     load = out_dir / f"{stem}.json"
     out: dict[Workload, tuple[Path, list[str]]] = {"load": (load, bench_command(
         url, str(load), input_len=a.input_len, output_len=a.output_len, num_prompts=a.num_prompts,
-        concurrency=a.max_concurrency, plot=str(out_dir / f"{stem}.png") if plot else None, extra=extra))}
+        concurrency=a.max_concurrency, plot=str(out_dir / f"{stem}.png") if plot else None, extra=extra,
+        prompts_per_level=a.prompts_per_level))}
     if a.long_input_len:
         long = out_dir / f"{stem}.long.json"
         out["long"] = (long, bench_command(url, str(long), input_len=a.long_input_len, output_len=a.long_output_len,
@@ -184,6 +187,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-concurrency", default="1,4,16,32")
+    p.add_argument("--prompts-per-level", default=None,
+                   help="the load's prompts at each --max-concurrency level, e.g. 16,32,64 (the long workload "
+                        "keeps --long-num-prompts)")
     p.add_argument("--long-input-len", type=int, default=2000,
                    help="prompt tokens of the long-prompt TTFT workload (0: skip it)")
     p.add_argument("--long-output-len", type=int, default=1)

@@ -120,6 +120,15 @@ def test_bench_command_and_passthrough() -> None:
         bl.parse_args(["--systems", "hf,tgi"])
 
 
+def test_prompts_per_level_goes_to_the_load_only(tmp_path: Path) -> None:
+    a, extra = bl.parse_args(["--max-concurrency", "1,8,32", "--prompts-per-level", "16,32,64",
+                              "--long-num-prompts", "3"])
+    cmds = bl.workload_commands(a, extra, "http://u", tmp_path, "kvseal", plot=False)
+    assert _flag(cmds["load"][1], "--prompts-per-level") == "16,32,64"
+    long = cmds["long"][1]
+    assert "--prompts-per-level" not in long and _flag(long, "--num-prompts") == "3"
+
+
 def _result(levels: list[tuple[int, float, float | None, float | None]], failed: int = 0,
             short: int = 0) -> dict[str, Any]:
     return {"sweep_key": "max_concurrency", "passes": [
