@@ -235,8 +235,9 @@ def test_a_server_that_cannot_start_gives_a_reason(tmp_path: Path) -> None:
         bl.start(_fake(crash), 1, log, 30.0)
     assert e.value.reason == "exited with 3 while starting: RuntimeError: needs AVX512"
     assert "loading" in e.value.log_tail
-    with pytest.raises(bl.ServerDidNotStart, match=r"^not ready after 1 s: still loading$"):
-        bl.start(_fake("import time; print('still loading', flush=True); time.sleep(60)"), 1, log, 1.0)
+    # 5 s: time for the child to print its line even on a loaded machine (1 s was not always enough)
+    with pytest.raises(bl.ServerDidNotStart, match=r"^not ready after 5 s: still loading$"):
+        bl.start(_fake("import time; print('still loading', flush=True); time.sleep(60)"), 1, log, 5.0)
 
 
 def test_run_records_a_row_for_peers_that_cannot_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -388,3 +389,30 @@ def test_side_by_side_plot_from_a_finished_run(tmp_path) -> None:
     assert bl.main(["--replot", str(path)]) == 0
     png = (tmp_path / "side_by_side.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def _doc(tok: dict[str, float], ttft: dict[str, float], long_ms: dict[str, float]) -> dict[str, Any]:
+    def res(s: str) -> dict[str, Any]:
+        return _result([(32, tok[s], ttft[s], 10.0), (1, tok[s] / 10, 50.0, {"llama-server": 7.0}.get(s, 5.0))])
+
+    return {"systems": {s: {"result": res(s), "long_result": _result([(1, 1.0, long_ms[s], None)])} for s in tok}}
+
+
+def test_medians_over_runs_and_the_targets() -> None:
+    from kvseal.bench import baselines_median as bm
+
+    runs = [_doc({"kvseal-disagg": t, "kvseal": 300.0, "vllm": 200.0, "llama-server": 100.0},
+                 {"kvseal-disagg": 500.0, "kvseal": 400.0, "vllm": 900.0, "llama-server": 5000.0},
+                 {"kvseal-disagg": 1200.0, "kvseal": 900.0, "vllm": 1600.0, "llama-server": 7000.0})
+            for t in (310.0, 290.0, 400.0)]
+    load, long = bm.collect(runs)
+    assert load["kvseal-disagg"]["c=32"]["output_tok_s"] == [310.0, 290.0, 400.0]
+    lines = bm.targets(load, long)
+    # the median (310), not the best run (400): 310 / 200 = 1.55x the best peer, and a lower TTFT
+    assert any(ln.startswith("c=32: kvseal disagg") and "1.55x vLLM" in ln and "-> met" in ln for ln in lines)
+    assert any(ln.startswith("c=32: kvseal unified") and "1.50x" in ln and "-> met" in ln for ln in lines)
+    assert any("TPOT 5.0 ms vs llama-server 7.0 ms" in ln and "-> met" in ln for ln in lines)
+    # 1.2 s against vLLM's 1.6 s is not half of it; 0.9 s is not either
+    assert all("NOT met" in ln for ln in lines if ln.startswith("2,000-token"))
+    assert any("disaggregated / unified = 1.03 -> met" in ln for ln in lines)
+    assert "**310.0** (310.0, 290.0, 400.0)" in bm.table(load, long)
