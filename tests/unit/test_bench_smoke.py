@@ -79,3 +79,21 @@ def test_args_and_tables() -> None:
     assert "| float32 | decode tok/s, c=4" in text
     assert "30.0 (3.00×)" in text and "512.0 (2.00×)" in text
     assert "first 16 greedy tokens are identical" in text
+
+
+def test_prefill_profile_timers_count_macs_and_put_the_ops_back() -> None:
+    import types
+
+    import torch
+
+    from kvseal.bench import prefill_profile as pp
+
+    mod = types.SimpleNamespace(linear=lambda x, w: x @ w.T)
+    original = mod.linear
+    t = pp.Timers()
+    t.wrap(mod, "linear", "matrix products", pp.linear_macs)
+    mod.linear(torch.ones(3, 4), torch.ones(5, 4))
+    mod.linear(torch.ones(2, 4), torch.ones(5, 4))
+    assert t.macs["matrix products"] == 3 * 4 * 5 + 2 * 4 * 5 and t.s["matrix products"] > 0
+    t.undo()
+    assert mod.linear is original
