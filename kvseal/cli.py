@@ -55,8 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size in tokens (default: twice the context window)")
     p.add_argument("--kv-pool-bytes", type=int, default=None, help="KV pool size in bytes (instead of tokens)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="KV cache dtype; auto: the model's dtype. bfloat16 halves KV memory and handoff bytes "
-                        "(needs --arithmetic fast or --kernels torch)")
+                   help="KV cache dtype; auto: bfloat16 with the fast arithmetic (half the KV memory, decode "
+                        "reads and handoff bytes), else the model's dtype. bfloat16 needs --arithmetic fast or "
+                        "--kernels torch")
     p.add_argument("--kv-scrub", type=_on_off, default=True, metavar="on|off",
                    help="zero KV pages before they return to the free list (default on)")
     p.add_argument("--no-prefix-cache", action="store_true",

@@ -41,7 +41,7 @@ class CacheConfig:
     pool_tokens: int | None = None  # KV pool size in tokens (rounded down to whole pages)
     pool_bytes: int | None = None  # or in bytes; at most one of the two; neither -> the context window x 4
     scrub: bool = True  # zero pages before they return to the free list (seal 6)
-    kv_dtype: str = "auto"  # "auto": the model's dtype; "bfloat16" halves KV memory and handoff bytes
+    kv_dtype: str = "auto"  # "auto": bfloat16 with the fast arithmetic, else the model's dtype (resolve_kv_dtype)
     prefix_cache: bool = True  # keep full prompt pages for later requests of the same tenant (seal 9)
 
     def __post_init__(self) -> None:

@@ -52,6 +52,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_kv_dtype(kv_dtype: str, model_dtype: str, fast: bool) -> str:
+    """--kv-dtype auto: bfloat16 under the fast arithmetic (its attention reads bfloat16 pages in place: half the
+    bytes per decode step and per handoff, as vLLM's bf16 KV; docs/benchmarks.md has the cost in perplexity),
+    otherwise the model's dtype (the exact arithmetic keeps float32 KV for its bit-for-bit reference)."""
+    if kv_dtype != "auto":
+        return kv_dtype
+    return "bfloat16" if fast else model_dtype
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, ckpt: Checkpoint | None = None, role: str = "unified") -> None:
         self.cfg, self.role = cfg, role
@@ -65,7 +74,7 @@ class Engine:
         self.arithmetic = resolve_arithmetic(cfg.model.arithmetic, self.kernels, why, arch, cfg.cache.page_size)
         log.info("arithmetic: %s%s (%s)", self.arithmetic.name,
                  f" on {self.arithmetic.isa}" if self.arithmetic.isa else "", self.arithmetic.why)
-        self.kv_dtype = self.dtype if cfg.cache.kv_dtype == "auto" else _DTYPES[cfg.cache.kv_dtype]
+        self.kv_dtype = _DTYPES[resolve_kv_dtype(cfg.cache.kv_dtype, cfg.model.dtype, self.arithmetic.fast)]
         if self.kv_dtype != self.dtype and not self.arithmetic.fast and self.kernels == "native":
             raise ValueError(f"--kv-dtype {cfg.cache.kv_dtype} with --dtype {cfg.model.dtype} needs the fast "
                              "arithmetic or --kernels torch (the exact native kernels read float32 KV). Fix: "

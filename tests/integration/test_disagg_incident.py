@@ -58,7 +58,7 @@ def test_router_refuses_to_start_when_a_pool_is_smaller_than_the_window(small_pr
     (["--kernels", "torch"], "kernels='torch'", "kernels='native'"),
     # the exact arithmetic computes other KV than the fast one (and lays it out otherwise)
     (["--arithmetic", "exact"], "arithmetic='exact/native'", "arithmetic='fast/int8'"),
-    (["--kv-dtype", "bfloat16"], "kv_dtype='bfloat16'", "kv_dtype='float32'"),
+    (["--kv-dtype", "float32"], "kv_dtype='float32'", "kv_dtype='bfloat16'"),  # auto: bfloat16 under fast
 ])
 def test_router_refuses_workers_that_disagree_on_layout_or_kernels(small_prefill: Worker, flags: list[str],
                                                                     theirs: str, ours: str) -> None:

@@ -24,3 +24,11 @@ def test_workers_get_the_arithmetic_and_kv_dtype_flags() -> None:
     cfg = engine_config(worker)
     assert cfg.model.arithmetic == "exact" and cfg.cache.kv_dtype == "bfloat16"
     assert engine_config(build_parser().parse_args(["prefill"])).model.arithmetic == "auto"
+
+
+def test_kv_dtype_auto_is_bfloat16_under_the_fast_arithmetic_only() -> None:
+    from kvseal.engine.engine import resolve_kv_dtype
+
+    assert resolve_kv_dtype("auto", "float32", fast=True) == "bfloat16"
+    assert resolve_kv_dtype("auto", "float32", fast=False) == "float32"  # exact keeps its float32 reference
+    assert resolve_kv_dtype("float32", "float32", fast=True) == "float32"  # an explicit choice stands
