@@ -11,7 +11,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from kvseal.config import CacheConfig, EngineConfig, LedgerConfig, ModelConfig, SchedulerConfig, ServerConfig
 from kvseal.errors import KvsealError
 
 if TYPE_CHECKING:
@@ -72,10 +72,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a request waiting for KV pages gets 503 when no page at all was freed for this many "
                         "seconds (a busy worker that frees pages is waited out)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed")
+    add_ledger_arg(p)
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch and the kernels in this process (default: `kvseal serve` splits the "
                         "cores among its workers; `kvseal serve --unified` uses every core for prompt chunks of "
                         "256 tokens or more and leaves one to the HTTP server on smaller steps)")
+
+
+def add_ledger_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ledger", default=None, metavar="PATH|off",
+                   help="the forensic ledger: an SQLite file with one row per ended request (ids, tenant, times, "
+                        "workers, every page read and whose KV it held; never prompt or output text), read by "
+                        "`kvseal incidents PATH`. kvseal serve: on by default (the path is shown); a role run "
+                        "alone: off unless given")
+
+
+def ledger_path(a: argparse.Namespace) -> str | None:
+    return None if a.ledger in (None, "", "off") else str(a.ledger)
 
 
 def add_test_faults_arg(p: argparse.ArgumentParser) -> None:
@@ -96,6 +109,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_waiting=a.max_waiting, wait_timeout_s=a.wait_timeout),
         seed=a.seed,
+        ledger=LedgerConfig(ledger_path(a)),
     )
 
 
@@ -128,7 +142,7 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
         argv.append("--no-prefix-cache")
     for flag, value in (("--max-model-len", a.max_model_len), ("--kv-pool-tokens", a.kv_pool_tokens),
                         ("--kv-pool-bytes", a.kv_pool_bytes), ("--served-model-name", a.served_model_name),
-                        ("--threads", a.threads)):
+                        ("--threads", a.threads), ("--ledger", ledger_path(a))):
         if value is not None:
             argv += [flag, str(value)]
     return argv
@@ -174,17 +188,20 @@ def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], de
     import uvicorn
 
     from kvseal.faults import hooks_from_spec
+    from kvseal.ledger.store import Ledger
     from kvseal.model.loader import load_tokenizer
     from kvseal.router.api import build_app
     from kvseal.router.disagg import DisaggBackend
 
     hooks = hooks_from_spec(a.test_faults, "kvseal router")
     tokenizer, name = load_tokenizer(a.model)
+    path = ledger_path(a)
+    ledger = Ledger(path) if path else None
     backend = DisaggBackend(tokenizer, a.served_model_name or name, prefill, decode,
                             max_model_len=a.max_model_len, hooks=hooks,
-                            fleet_bind=f"tcp://{a.fleet_host or a.host}:{a.fleet_port}")
-    logging.getLogger("kvseal").info("router on http://%s:%d: prefill %s, decode %s", scfg.host, scfg.port,
-                                     prefill, decode)
+                            fleet_bind=f"tcp://{a.fleet_host or a.host}:{a.fleet_port}", ledger=ledger)
+    logging.getLogger("kvseal").info("router on http://%s:%d: prefill %s, decode %s; ledger %s", scfg.host,
+                                     scfg.port, prefill, decode, path or "off")
     try:  # seal 7 before the first request: a fleet that cannot hold the window never serves
         asyncio.run(_probe(backend))
     except KvsealError as err:
@@ -192,6 +209,8 @@ def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], de
         return 3
     uvicorn.run(build_app(backend, scfg), host=scfg.host, port=scfg.port, log_level=a.log_level,
                 timeout_graceful_shutdown=5)
+    if ledger is not None:
+        ledger.close()
     return 0
 
 
@@ -287,6 +306,8 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
         info["kv_dtype"], "on" if cfg.cache.scrub else "off")
     uvicorn.run(build_app(backend, scfg), host=scfg.host, port=scfg.port, log_level=a.log_level,
                 timeout_graceful_shutdown=5)
+    if engine.ledger is not None:
+        engine.ledger.close()
     return 0
 
 
@@ -294,6 +315,12 @@ def cmd_audit(a: argparse.Namespace) -> int:
     from kvseal.audit.__main__ import run_audit
 
     return run_audit(a)
+
+
+def cmd_incidents(a: argparse.Namespace) -> int:
+    from kvseal.ledger.incidents import run_incidents
+
+    return run_incidents(a)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -323,7 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--fleet-port", type=int, default=0, help="as for `kvseal router`")
     serve.add_argument("--fleet-host", default=None, help="as for `kvseal router`")
     add_test_faults_arg(serve)
-    serve.set_defaults(func=cmd_serve)
+    from kvseal.ledger.store import default_path
+
+    serve.set_defaults(func=cmd_serve, ledger=default_path())
 
     for role in ("prefill", "decode"):
         w = sub.add_parser(role, help=f"run one {role} worker (for a cluster: one per host or GPU)",
@@ -366,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "one chosen is in the log and in /info as fleet_endpoint)")
     router.add_argument("--fleet-host", default=None, help="address of the fleet port (default: --host)")
     add_server_args(router, 8000)
+    add_ledger_arg(router)
     add_test_faults_arg(router)
     router.set_defaults(func=cmd_router)
 
@@ -382,6 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_audit_args(audit)
     audit.set_defaults(func=cmd_audit)
+
+    from kvseal.ledger.incidents import add_incidents_args
+
+    incidents = sub.add_parser("incidents", help="from a forensic ledger: the responses computed from KV not "
+                               "written for them, the tenants affected and the source (exit 0 none, 1 some, 2 "
+                               "cannot read the ledger)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_incidents_args(incidents)
+    incidents.set_defaults(func=cmd_incidents)
 
     from kvseal.bench.load.config import add_bench_args  # argparse only, like the audit's
 

@@ -5,6 +5,7 @@ Every error names the field, the value and the fix. Nothing mutates a config aft
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -88,8 +89,18 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class LedgerConfig:
+    path: str | None = None  # the forensic ledger's SQLite file (kvseal/ledger); None: no ledger
+
+    def __post_init__(self) -> None:
+        _need(self.path is None or (bool(self.path.strip()) and not os.path.isdir(self.path)), "ledger",
+              self.path, "give the path of a file (it is created with its folder), or off")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     seed: int = 0
+    ledger: LedgerConfig = LedgerConfig()

@@ -115,6 +115,7 @@ class TransferVerificationFailed(KvsealError):
     """Arrived KV does not match its reservation (seal 4); the request produces no output."""
 
     status, type, code = 502, "server_error", "kv_verification_failed"
+    field = "unknown"  # the manifest field that failed (on the decode worker only; metrics and the ledger)
 
 
 class PageOwnershipViolation(KvsealError):

@@ -40,6 +40,7 @@ FLAG = "--test-faults"
 _FLAGS = frozenset({"flip_byte", "short_pages", "short_tokens", "wrong_nonce", "wrong_request_id", "incident"})
 _VALUED = frozenset({"prefill_reject_over", "stall_transfer", "file"})
 _REFRESH_S = 0.05
+PLACEHOLDER_RECORD = "incident fault: replaced by a one-token placeholder:"
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,9 @@ class InjectedFaults(Hooks):
             raise InvalidRequest(f"prefill worker policy refused a prompt of {len(req.prompt_ids)} tokens "
                                  f"(limit {over})", code="prefill_policy")
         if "incident" in self.now.flags and len(req.prompt_ids) + req.params.max_tokens > context_window:
-            # THE 2026 BUG: "reject" by swapping in a one-token placeholder that keeps flowing
+            # THE 2026 BUG: "reject" by swapping in a one-token placeholder that keeps flowing. The fault's own
+            # record (one line per request, tests check `kvseal incidents` against it):
+            log.warning("%s %s (%d prompt tokens)", PLACEHOLDER_RECORD, req.request_id, len(req.prompt_ids))
             return msgspec.structs.replace(req, prompt_ids=req.prompt_ids[:1],
                                            params=msgspec.structs.replace(req.params, max_tokens=1))
         return req

@@ -30,6 +30,7 @@ from kvseal.transfer.manifest import (
     new_nonce,
     new_reservation_id,
     pack_pages,
+    page_checksums,
     page_nbytes,
     unpack_into,
     verify,
@@ -83,6 +84,8 @@ class PrefillEngine(Engine):
         if error is None:
             self.scheduler.release(seq)  # own pages scrubbed before reuse; cached prompt pages stay cached
             self.seqs.pop(request_id, None)
+            if self.forensics is not None:
+                self.forensics.row(seq, "handed_off", None)
         else:
             self._end(seq, lambda: seq.life.fail(error))
 
@@ -108,6 +111,8 @@ class DecodeEngine(Engine):
             page_size=self.pool.page_size, kv_dtype=dtype_name(self.kv_dtype), kv_layout=self.kv_layout,
             kv_endpoint=kv_endpoint)
         self.reservations[req.request_id] = res
+        if self.forensics is not None:
+            self.forensics.log_of(seq).reservation_id = res.reservation_id
         return res
 
     def accept(self, manifest: KVManifest, payload: PagePayload, check: bool = True) -> None:
@@ -120,7 +125,9 @@ class DecodeEngine(Engine):
         res = self.reservations.get(rid)
         entry = self.reserved.get(rid)
         if res is None or entry is None or entry[0].life.state is not State.RESERVED:
-            raise TransferVerificationFailed(f"KV arrived for request {rid!r}, which holds no reservation here")
+            err = TransferVerificationFailed(f"KV arrived for request {rid!r}, which holds no reservation here")
+            err.field = "reservation"
+            raise err
         seq = entry[0]
         self.reservations.pop(rid, None)  # one arrival per reservation: a second one finds nothing
         seq.life.advance(State.TRANSFERRING)
@@ -130,12 +137,30 @@ class DecodeEngine(Engine):
                        page_bytes=page_nbytes(self.pool.k), vocab_size=self.arch.vocab_size,
                        logprobs=seq.params.logprobs)
         except TransferVerificationFailed as err:
+            self._verification(seq, "failed", manifest, payload, err.field)
             self.release(rid, err, rejected=False)
             raise
+        self._verification(seq, "ok" if check else "unverified", manifest, payload)
         unpack_into(self.pool.k, self.pool.v, res.page_ids[: payload.num_pages], payload)
+        if self.forensics is not None:
+            self.forensics.transferred(seq, res.page_ids[: payload.num_pages], manifest.num_tokens)
         m = manifest
         lp = None if m.first_logprob is None else TokenLogprob(m.first_token, m.first_logprob, list(m.first_top))
         self.admit_verified(rid, m.first_token, lp)
+
+    def _verification(self, seq: Sequence, result: str, m: KVManifest, payload: PagePayload,
+                      field: str | None = None) -> None:
+        """The ledger's per-page verification record: every page matched (ok), was not checked (the incident
+        fault), or, after a failure, which pages' checksums differed (when the counts allowed comparing)."""
+        if self.forensics is None:
+            return
+        if result == "failed":
+            same = len(m.page_checksums) == payload.num_pages and payload.num_pages > 0 and payload.nbytes > 0
+            pages = (["ok" if a == b else "mismatch" for a, b in zip(m.page_checksums, page_checksums(payload))]
+                     if same else [])
+        else:
+            pages = [result] * payload.num_pages
+        self.forensics.log_of(seq).verification = {"result": result, "field": field, "pages": pages}
 
     def _reserve_pages(self, req: GenerateRequest, timeout_s: float) -> Sequence:
         seq = self._admit(req)

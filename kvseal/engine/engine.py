@@ -35,6 +35,8 @@ from kvseal.kernels.memory import keep_freed_pages
 from kvseal.kv.allocator import PageAllocator
 from kvseal.kv.pool import KVPool, pool_num_pages
 from kvseal.kv.prefix_cache import PrefixCache, namespace_id, namespace_root, page_keys
+from kvseal.ledger.forensics import Forensics
+from kvseal.ledger.store import Ledger
 from kvseal.lifecycle import FinishReason, State
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.detokenize import IncrementalDecoder
@@ -85,7 +87,13 @@ class Engine:
         num_pages = pool_num_pages(arch, cfg.cache, self.kv_dtype, default_tokens=2 * model_window)
         self.pool = KVPool(arch, num_pages, cfg.cache.page_size, self.kv_dtype, self.device,
                            layout="kt" if self.arithmetic.fast else "std")
-        self.allocator = PageAllocator(num_pages, scrubber=self.pool.scrub if cfg.cache.scrub else None)
+        self.forensics: Forensics | None = None
+        self.pages_scrubbed = 0  # seal 6, for /info and /metrics
+        self.ownership_violations = 0  # seal 5 failures
+        self.allocator = PageAllocator(num_pages, scrubber=self._scrub if cfg.cache.scrub else None)
+        self.ledger = Ledger(cfg.ledger.path) if cfg.ledger.path else None
+        if self.ledger is not None:
+            self.forensics = Forensics(self.ledger, self.allocator, cfg.cache.page_size, role)
         # decode workers keep no prefix cache: prefill computes every prompt (see docs/architecture.md)
         self.prefix_cache = PrefixCache(self.allocator, enabled=cfg.cache.prefix_cache and role != "decode")
         self.kv_layout = self.pool.layout_name
@@ -100,6 +108,12 @@ class Engine:
         # process with the HTTP server leaves it a core on decode steps and takes them all for prompt chunks
         self.step_threads: tuple[int, int, int] | None = None
         self._threads_now = 0
+
+    def _scrub(self, pages: list[int]) -> None:
+        self.pool.scrub(pages)
+        self.pages_scrubbed += len(pages)
+        if self.forensics is not None:
+            self.forensics.scrubbed(pages)
 
     # -- what this engine is -------------------------------------------------------------------------
     def info(self) -> dict[str, object]:
@@ -131,6 +145,9 @@ class Engine:
             "device": str(self.device),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "pages_scrubbed": self.pages_scrubbed,
+            "ownership_violations": self.ownership_violations,
+            "ledger": None if self.ledger is None else str(self.ledger.path),
         }
 
     def has_work(self) -> bool:
@@ -227,13 +244,17 @@ class Engine:
             if self.step_threads is not None:
                 self._set_step_threads(sum(batch.num_new))
             result = self.runner.run(batch)
+            self.ownership_violations += len(result.violations)
             for seq in result.violations:
                 self._end(seq, partial(seq.life.fail, PageOwnershipViolation(
                     f"request {seq.request_id}: its page table names pages it does not own; no output")))
             for seq, n in zip(batch.seqs, batch.num_new):
+                if seq in result.violations:
+                    continue
+                if self.forensics is not None:
+                    self.forensics.after_step(seq, n)
                 # the step that completed the prompt: its full pages are final (never written again) -> cache
-                if seq.cache_keys and seq not in result.violations \
-                        and seq.num_computed - n < len(seq.prompt_ids) <= seq.num_computed:
+                if seq.cache_keys and seq.num_computed - n < len(seq.prompt_ids) <= seq.num_computed:
                     self._cache_prompt(seq)
             if result.logits is not None:
                 tokens, lps = sample(result.logits, [s.params for s in result.sampled],
@@ -299,6 +320,9 @@ class Engine:
             return
         self.scheduler.remove(seq)
         self.seqs.pop(seq.request_id, None)
+        if self.forensics is not None:
+            error = seq.life.outcome.error if seq.life.outcome is not None else None
+            self.forensics.row(seq, seq.life.state.value, error.code if error is not None else None)
         self._out.append(self._final(seq))
 
     def _delta(self, seq: Sequence, upto: int) -> GenerateDelta:

@@ -199,6 +199,10 @@ class PageAllocator:
             return False
         return bool(np.all(self._owner_key[idx] == owner.key) and np.all(self._owner_epoch[idx] == owner.epoch))
 
+    def owner_of(self, page: int) -> tuple[int, int]:
+        """(owner key, epoch) of one page: FREE or CACHED in both for a free or cached page."""
+        return int(self._owner_key[page]), int(self._owner_epoch[page])
+
     def owned_by(self, owner: Owner) -> list[int]:
         mask = (self._owner_key == owner.key) & (self._owner_epoch == owner.epoch)
         return np.flatnonzero(mask).tolist()

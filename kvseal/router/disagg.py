@@ -39,6 +39,7 @@ from kvseal.errors import (
 )
 from kvseal.hooks import NO_FAULTS, Hooks
 from kvseal.identity import tokenizer_digest
+from kvseal.ledger.store import Ledger, LedgerRow
 from kvseal.lifecycle import FinishReason, Lifecycle, State
 from kvseal.model.tokenizer import Tokenizer
 from kvseal.router.affinity import PrefixAffinity
@@ -54,7 +55,7 @@ class DisaggBackend:
     def __init__(self, tokenizer: Tokenizer, model_name: str | None, prefill: list[str], decode: list[str],
                  max_model_len: int | None = None, startup_timeout_s: float = 300.0,
                  handoff_timeout_s: float = 600.0, stall_timeout_s: float = 120.0, renew_every_s: float = 10.0,
-                 hooks: Hooks = NO_FAULTS, fleet_bind: str | None = None) -> None:
+                 hooks: Hooks = NO_FAULTS, fleet_bind: str | None = None, ledger: Ledger | None = None) -> None:
         self.tokenizer = tokenizer
         self._name = model_name
         self.model_name = model_name or ""
@@ -65,6 +66,7 @@ class DisaggBackend:
         self.renew_every_s = renew_every_s  # at most this, and at most a quarter of decode's reservation timeout
         self.hooks = hooks
         self.fleet_bind = fleet_bind
+        self.ledger = ledger  # the forensic ledger: one row per ended request (kvseal/ledger)
         self.fleet_endpoint: str | None = None
         self.context_window = 0
         self.spec: FleetSpec | None = None
@@ -218,6 +220,8 @@ class DisaggBackend:
         self.lifecycles[rid] = life
         life.advance(State.ADMITTED)
         prefill = decode = where = None
+        reservation: Any = None
+        received = time.time()
         q: asyncio.Queue[GenerateDelta | ErrorInfo] | None = None
         prefill_task: asyncio.Task[P.Message] | None = None
         try:
@@ -294,6 +298,14 @@ class DisaggBackend:
                     w.inflight -= 1
             self.lifecycles.pop(rid, None)
             self.ended[life.state.value] = self.ended.get(life.state.value, 0) + 1
+            if self.ledger is not None:
+                error = life.outcome.error if life.outcome is not None else None
+                self.ledger.add(LedgerRow(
+                    request_id=rid, role="router", worker="router", tenant=req.tenant, received=received,
+                    ended=time.time(), state=life.state.value, error_code=error.code if error else None,
+                    prefill_worker=prefill.endpoint if prefill else None,
+                    decode_worker=decode.endpoint if decode else None,
+                    reservation_id=reservation.reservation_id if reservation is not None else None))
 
     async def _reserve(self, decode: WorkerClient, req: GenerateRequest, last: bool) -> Any:
         """Reserve decode pages. A decode worker with no free pages queues the request in arrival order and

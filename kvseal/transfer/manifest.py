@@ -255,9 +255,11 @@ def first_token_checksum(first_token: int, first_logprob: float | None,
 
 
 def _fail(manifest: KVManifest, field: str, expected: object, received: object) -> TransferVerificationFailed:
-    return TransferVerificationFailed(
+    err = TransferVerificationFailed(
         f"KV transfer for request {manifest.request_id!r} failed verification: {field}: "
         f"expected {expected!r}, received {received!r}; the request produces no output")
+    err.field = field.split(" ")[0].split("[")[0]  # "page_checksums[3] (...)" -> "page_checksums"
+    return err
 
 
 def verify(manifest: KVManifest, reservation: Reservation, payload: PagePayload, *,

@@ -63,6 +63,8 @@ class PrefillWorker(WorkerServer):
                     self._answer(rid, "rejected", err)
                     return
                 self.engine.add_request(req)
+                if self.engine.forensics is not None and rid in self.engine.seqs:
+                    self.engine.forensics.log_of(self.engine.seqs[rid]).reservation_id = res.reservation_id
             case P.AbortReq(request_id=rid, error=err):
                 job = self.jobs.pop(rid, None)
                 if job is not None and job.handle is not None:

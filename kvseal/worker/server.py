@@ -47,6 +47,8 @@ class WorkerServer:
         self.ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.ctrl.bind(bind)
         self.endpoint = self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
+        if engine.forensics is not None:
+            engine.forensics.worker = self.endpoint
         self.outbox = Outbox(self.ctrl)
         self.poller = zmq.Poller()
         self.poller.register(self.ctrl, zmq.POLLIN)
@@ -176,6 +178,8 @@ class WorkerServer:
             self.join.close()
         self.ctrl.close(0)
         self.ctx.term()
+        if self.engine.ledger is not None:
+            self.engine.ledger.close()
 
     # -- role hooks ----------------------------------------------------------------------------------
     def handle(self, ident: bytes, msg: P.Message) -> None:

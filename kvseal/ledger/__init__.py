@@ -1,0 +1,1 @@
+"""The forensic ledger: what each request read, whose KV it was, and `kvseal incidents` over it."""
