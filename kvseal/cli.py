@@ -177,6 +177,8 @@ def cmd_worker(a: argparse.Namespace) -> int:
     else:
         server = DecodeWorker(DecodeEngine(cfg), bind, f"tcp://{a.kv_host or a.host}:{a.kv_port}", hooks,
                               a.reservation_timeout, a.drain_timeout)
+    if a.metrics_port >= 0:
+        logging.getLogger("kvseal").info("metrics on %s", server.metrics.serve(a.host, a.metrics_port))
     if a.router:
         port = server.endpoint.rsplit(":", 1)[1]
         server.join = Registration(server.ctx, _endpoint(a.router), a.command,
@@ -189,6 +191,8 @@ def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], de
 
     from kvseal.faults import hooks_from_spec
     from kvseal.ledger.store import Ledger
+    from kvseal.metrics.router import MeteredBackend, RouterMetrics
+    from kvseal.metrics.router import install as install_metrics
     from kvseal.model.loader import load_tokenizer
     from kvseal.router.api import build_app
     from kvseal.router.disagg import DisaggBackend
@@ -207,8 +211,10 @@ def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], de
     except KvsealError as err:
         print(f"kvseal router: refusing to start: {err.message}", file=sys.stderr)
         return 3
-    uvicorn.run(build_app(backend, scfg), host=scfg.host, port=scfg.port, log_level=a.log_level,
-                timeout_graceful_shutdown=5)
+    metrics = RouterMetrics(backend)
+    app = build_app(MeteredBackend(backend, metrics), scfg)
+    install_metrics(app, metrics)
+    uvicorn.run(app, host=scfg.host, port=scfg.port, log_level=a.log_level, timeout_graceful_shutdown=5)
     if ledger is not None:
         ledger.close()
     return 0
@@ -286,6 +292,9 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
     import uvicorn
 
     from kvseal.engine.engine import Engine
+    from kvseal.metrics.engine import EngineCollector, WorkerMetrics
+    from kvseal.metrics.router import MeteredBackend, RouterMetrics
+    from kvseal.metrics.router import install as install_metrics
     from kvseal.router.api import build_app
     from kvseal.worker.unified import UnifiedBackend
 
@@ -304,8 +313,11 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
         "kv dtype %s, scrub %s", backend.model_name, info["model_fingerprint"], scfg.host, scfg.port,
         engine.context_window, engine.pool.capacity_tokens, engine.pool.num_pages, engine.pool.page_size,
         info["kv_dtype"], "on" if cfg.cache.scrub else "off")
-    uvicorn.run(build_app(backend, scfg), host=scfg.host, port=scfg.port, log_level=a.log_level,
-                timeout_graceful_shutdown=5)
+    metrics = RouterMetrics(backend)
+    WorkerMetrics(EngineCollector(engine, labels={"endpoint": f"{scfg.host}:{scfg.port}"}), metrics.registry)
+    app = build_app(MeteredBackend(backend, metrics), scfg)
+    install_metrics(app, metrics)
+    uvicorn.run(app, host=scfg.host, port=scfg.port, log_level=a.log_level, timeout_graceful_shutdown=5)
     if engine.ledger is not None:
         engine.ledger.close()
     return 0
@@ -364,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
         w.add_argument("--router", default=None, metavar="HOST:PORT",
                        help="join a running router at its fleet endpoint (its --fleet-port); the router checks "
                             "this worker like one it started with (seal 7) and exits it with the reason if not")
+        w.add_argument("--metrics-port", type=int, default=0,
+                       help="serve Prometheus /metrics on this port of --host (0: any free port, shown in the log "
+                            "and in /info as metrics_endpoint; -1: none)")
         w.add_argument("--advertise-host", default=None,
                        help="the address the router should connect to (default: --host)")
         w.add_argument("--drain-timeout", type=float, default=600.0,

@@ -1,6 +1,7 @@
 """What the seals cost: the same workload with kvseal's runtime checks on and off, in one run.
 
     python -m kvseal.bench.seal_cost                 # 32 requests x (128 prompt + 128 new), 5 interleaved repeats
+    python -m kvseal.bench.seal_cost --compare ledger   # the forensic ledger on vs off (both sealed)
 
 Measured in-process on one engine (no HTTP, so the checks are not hidden behind other overhead):
   engine   output tok/s of the whole workload with scrub (seal 6) and the per-step ownership check (seal 5) on,
@@ -8,6 +9,8 @@ Measured in-process on one engine (no HTTP, so the checks are not hidden behind 
            violations" in this benchmark only: kvseal itself has no switch to turn seal 5 off);
   handoff  the checksums of a handoff (seal 4: xxh3 over every page, computed by prefill and again by decode)
            against the prefill compute of the same prompt: the share of a request's prefill time they add.
+With --compare ledger the two engines are both sealed and differ only in the forensic ledger (kvseal/ledger: page
+provenance per step, one SQLite row per ended request); the handoff share is not measured then.
 Repeats alternate on/off so that machine noise hits both; figures are medians, the ratio is per repeat pair.
 """
 
@@ -17,6 +20,7 @@ import argparse
 import json
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,7 @@ from typing import Any
 import torch
 
 from kvseal.bench.common import machine_info
-from kvseal.config import CacheConfig, EngineConfig, ModelConfig
+from kvseal.config import CacheConfig, EngineConfig, LedgerConfig, ModelConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.model.loader import load_checkpoint
@@ -73,13 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default="bench_out/seal_cost.json")
+    p.add_argument("--compare", choices=["seals", "ledger"], default="seals",
+                   help="seals: scrub and the ownership check on vs off; ledger: the forensic ledger on vs off")
+    p.add_argument("--out", default=None, help="default: bench_out/seal_cost.json (ledger_cost.json)")
     a = p.parse_args(argv)
+    if a.compare == "ledger":
+        return compare_ledger(a)
     if a.threads:
         torch.set_num_threads(a.threads)
     ckpt = load_checkpoint(None)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 20000) for _ in range(a.prompt_len)] for _ in range(a.requests)]
+    prompts = workload(a)
 
     def engine(sealed: bool) -> Engine:
         tokens = a.requests * (a.prompt_len + a.new_tokens) + 1024
@@ -89,35 +96,75 @@ def main(argv: list[str] | None = None) -> int:
             e.runner.check_ownership = lambda batch: []  # type: ignore[method-assign]
         return e
 
-    on, off = engine(True), engine(False)
-    run_workload(on, prompts[:2], 4, "warm")
-    run_workload(off, prompts[:2], 4, "warm")
-    pairs: list[tuple[float, float]] = []
-    for r in range(a.repeats):
-        first, second = ((on, off) if r % 2 == 0 else (off, on))
-        x = run_workload(first, prompts, a.new_tokens, f"r{r}a")
-        y = run_workload(second, prompts, a.new_tokens, f"r{r}b")
-        pairs.append((x, y) if first is on else (y, x))
-        print(f"repeat {r}: sealed {pairs[-1][0]:.1f} tok/s, unsealed {pairs[-1][1]:.1f} tok/s", flush=True)
+    on = engine(True)
+    pairs = interleaved(on, engine(False), prompts, a.new_tokens, a.repeats)
     sums, prefill = zip(*(handoff_share(on, prompts[i % len(prompts)]) for i in range(a.repeats)))
-    result: dict[str, Any] = {
-        "workload": {"requests": a.requests, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
-                     "dtype": a.dtype, "threads": torch.get_num_threads()},
-        "sealed_tok_s": statistics.median(x for x, _ in pairs),
-        "unsealed_tok_s": statistics.median(y for _, y in pairs),
-        "sealed_over_unsealed": statistics.median(x / y for x, y in pairs),
-        "checksum_s_per_handoff": statistics.median(sums),
-        "prefill_s_per_prompt": statistics.median(prefill),
-        "runs": pairs, "machine": machine_info(),
-    }
+    result = summary(a, pairs, "sealed", "unsealed")
+    result["checksum_s_per_handoff"] = statistics.median(sums)
+    result["prefill_s_per_prompt"] = statistics.median(prefill)
     result["checksum_share_of_prefill"] = result["checksum_s_per_handoff"] / result["prefill_s_per_prompt"]
     print(f"engine: sealed {result['sealed_tok_s']:.1f} tok/s, unsealed {result['unsealed_tok_s']:.1f} tok/s, "
           f"ratio {result['sealed_over_unsealed']:.3f} (median of {a.repeats} pairs)")
     print(f"handoff: checksums {result['checksum_s_per_handoff'] * 1e3:.2f} ms (both sides) for a "
           f"{a.prompt_len}-token prompt whose prefill took {result['prefill_s_per_prompt'] * 1e3:.0f} ms "
           f"({result['checksum_share_of_prefill']:.2%})")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
+    _save(a.out or "bench_out/seal_cost.json", result)
+    return 0
+
+
+def summary(a: argparse.Namespace, pairs: list[tuple[float, float]], on: str, off: str) -> dict[str, Any]:
+    """The workload, the median tok/s of each side and the median of the per-pair ratios."""
+    return {"workload": {"requests": a.requests, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+                         "dtype": a.dtype, "threads": torch.get_num_threads()},
+            f"{on}_tok_s": statistics.median(x for x, _ in pairs), f"{off}_tok_s": statistics.median(y for _, y in pairs),
+            f"{on}_over_{off}": statistics.median(x / y for x, y in pairs), "runs": pairs, "machine": machine_info()}
+
+
+def workload(a: argparse.Namespace) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(1000, 20000) for _ in range(a.prompt_len)] for _ in range(a.requests)]
+
+
+def _save(out: str, result: dict[str, Any]) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1))
+
+
+def interleaved(on: Engine, off: Engine, prompts: list[list[int]], new_tokens: int,
+                repeats: int) -> list[tuple[float, float]]:
+    """(on, off) output tok/s per repeat, the order alternating so that machine noise hits both."""
+    run_workload(on, prompts[:2], 4, "warm")
+    run_workload(off, prompts[:2], 4, "warm")
+    pairs: list[tuple[float, float]] = []
+    for r in range(repeats):
+        first, second = ((on, off) if r % 2 == 0 else (off, on))
+        x = run_workload(first, prompts, new_tokens, f"r{r}a")
+        y = run_workload(second, prompts, new_tokens, f"r{r}b")
+        pairs.append((x, y) if first is on else (y, x))
+        print(f"repeat {r}: on {pairs[-1][0]:.1f} tok/s, off {pairs[-1][1]:.1f} tok/s", flush=True)
+    return pairs
+
+
+def compare_ledger(a: argparse.Namespace) -> int:
+    """The forensic ledger's cost: two sealed engines, one writing a ledger, the same workload interleaved."""
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    ckpt = load_checkpoint(None)
+    prompts = workload(a)
+    tokens = a.requests * (a.prompt_len + a.new_tokens) + 1024
+    with tempfile.TemporaryDirectory(prefix="kvseal-ledger-cost-") as tmp:
+        on, off = (Engine(EngineConfig(model=ModelConfig(dtype=a.dtype), cache=CacheConfig(pool_tokens=tokens),
+                                       ledger=LedgerConfig(path)), ckpt)
+                   for path in (f"{tmp}/ledger.sqlite", None))
+        pairs = interleaved(on, off, prompts, a.new_tokens, a.repeats)
+        assert on.ledger is not None
+        on.ledger.close()
+        rows = on.ledger.written
+    result = summary(a, pairs, "ledger_on", "ledger_off")
+    result["ledger_rows_written"] = rows
+    print(f"ledger: on {result['ledger_on_tok_s']:.1f} tok/s, off {result['ledger_off_tok_s']:.1f} tok/s, "
+          f"ratio {result['ledger_on_over_ledger_off']:.3f} (median of {a.repeats} pairs; {rows} rows written)")
+    _save(a.out or "bench_out/ledger_cost.json", result)
     return 0
 
 

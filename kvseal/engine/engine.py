@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Pages
 from functools import partial
 
 import msgspec
@@ -109,7 +110,7 @@ class Engine:
         self.step_threads: tuple[int, int, int] | None = None
         self._threads_now = 0
 
-    def _scrub(self, pages: list[int]) -> None:
+    def _scrub(self, pages: Pages[int]) -> None:
         self.pool.scrub(pages)
         self.pages_scrubbed += len(pages)
         if self.forensics is not None:

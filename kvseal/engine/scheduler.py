@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvseal.config import SchedulerConfig
@@ -47,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.last_freed = time.monotonic()  # when pages last went back to the free list: progress
+        self.on_first_scheduled: Callable[[float], None] | None = None  # metrics: seconds from arrival
 
     @property
     def num_unfinished(self) -> int:
@@ -97,6 +99,8 @@ class Scheduler:
             self.running.append(seq)
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
+                if self.on_first_scheduled is not None:
+                    self.on_first_scheduled(now - seq.arrival)
             batch.add(seq, n)
             budget -= n
         for seq in queue[considered:]:

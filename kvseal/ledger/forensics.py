@@ -15,6 +15,7 @@ ids, owners and sources, never text.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Pages
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +54,7 @@ class Forensics:
             log = self.logs[seq.request_id] = ReadLog()
         return log
 
-    def scrubbed(self, pages: list[int]) -> None:
+    def scrubbed(self, pages: Pages[int]) -> None:
         self.prov.scrubbed(pages)
 
     def transferred(self, seq: Sequence, pages: list[int], num_tokens: int) -> None:

@@ -53,6 +53,7 @@ class Membership:
     standing: Standing = Standing.CONNECTING
     reason: str = ""
     since: float = field(default_factory=time.monotonic)
+    refusals: int = 0  # times it failed the fleet check (metrics: kvseal:fleet_check_refusals_total)
 
     @property
     def serving(self) -> bool:
@@ -70,6 +71,7 @@ class Membership:
         if to not in _MOVES[self.standing]:
             raise IllegalMove(f"{self.name}: {self.standing.name} -> {to.name} is not a move")
         self.standing, self.reason, self.since = to, reason, time.monotonic()
+        self.refusals += to is Standing.REFUSED
         level = {Standing.REFUSED: logging.ERROR, Standing.LOST: logging.ERROR, Standing.DRAINING: logging.WARNING,
                  Standing.LEFT: logging.WARNING}.get(to, logging.INFO)
         log.log(level, "%s: %s%s", self.name, describe(to), f": {reason}" if reason else "")

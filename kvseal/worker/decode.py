@@ -137,6 +137,7 @@ class DecodeWorker(WorkerServer):
         except TransferVerificationFailed as err:
             log.warning("refusing KV: %s", err.message)
             self.counters["transfers_refused"] += 1
+            self.verification_failures[err.field] = self.verification_failures.get(err.field, 0) + 1
             a.reply(False, err.to_info())
             return
         except Exception:  # no arrival ends this process; the request it named fails
@@ -174,6 +175,9 @@ class DecodeWorker(WorkerServer):
 
     def inflight(self) -> int:
         return len(self.dengine.seqs) + len(self.queue)
+
+    def queued(self) -> int:
+        return len(self.queue)
 
     def is_live(self, request_id: str) -> bool:
         return request_id in self.dengine.seqs or any(q.request.request_id == request_id for q in self.queue)

@@ -32,6 +32,7 @@ class _Job:
     handle: TransferHandle | None = None
     nbytes: int = 0
     cached_tokens: int = 0
+    sent_at: float = 0.0
 
 
 class PrefillWorker(WorkerServer):
@@ -117,6 +118,7 @@ class PrefillWorker(WorkerServer):
                 continue
             if status.state is TransferState.ACKED:
                 self.counters["transfers_acked"] += 1
+                self.metrics.transfer_seconds.observe(time.monotonic() - job.sent_at)
                 self.pengine.end_handoff(rid, None)
                 self._answer(rid, "handed_off", None)
             else:
@@ -133,7 +135,7 @@ class PrefillWorker(WorkerServer):
             return
         manifest, payload = self.pengine.package(h, job.reservation)
         job.handle = self.transport.send(job.reservation.kv_endpoint, manifest, payload)
-        job.nbytes, job.cached_tokens = payload.nbytes, h.seq.cached_tokens
+        job.nbytes, job.cached_tokens, job.sent_at = payload.nbytes, h.seq.cached_tokens, time.monotonic()
         self.counters["kv_bytes_sent"] += payload.nbytes
 
     def _answer(self, rid: str, state: str, err: KvsealError | None) -> None:

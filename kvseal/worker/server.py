@@ -26,6 +26,7 @@ from kvseal.errors import InternalError, InvalidRequest, KvsealError, WorkerDrai
 from kvseal.hooks import Hooks
 from kvseal.identity import new_instance_id, tokenizer_digest
 from kvseal.launch import LAUNCHER_PID_ENV
+from kvseal.metrics.engine import EngineCollector, WorkerMetrics
 from kvseal.worker import protocol as P
 from kvseal.worker.join import Registration
 from kvseal.worker.outbox import Outbox
@@ -67,6 +68,10 @@ class WorkerServer:
         self._parent = int(launcher) if launcher else None
         self.counters: dict[str, int] = {"kv_bytes_sent": 0, "kv_bytes_received": 0, "transfers_acked": 0,
                                          "transfers_refused": 0, "requests_received": 0, "frames_refused": 0}
+        self.verification_failures: dict[str, int] = {}  # decode: refused handoffs by manifest field (seal 4)
+        self.metrics = WorkerMetrics(EngineCollector(engine, self.counters, self.verification_failures,
+                                                     self.queued, {"test_faults": hooks.spec,
+                                                                   "endpoint": self.endpoint}))
 
     # -- plumbing ---------------------------------------------------------------------------------------
     def send(self, ident: bytes, msg: P.Message) -> None:
@@ -79,7 +84,12 @@ class WorkerServer:
                 "instance": self.instance, "tokenizer_digest": self.tokenizer_digest,
                 "test_faults": self.hooks.spec, "test_faults_active": self.hooks.active,
                 "draining": self.draining_since is not None, "inflight": self.inflight(),
-                "outbox_queued": self.outbox.queued}
+                "outbox_queued": self.outbox.queued, "metrics_endpoint": self.metrics.endpoint,
+                "verification_failures": dict(self.verification_failures)}
+
+    def queued(self) -> int:
+        """Requests waiting outside the engine (decode: reservations waiting for pages)."""
+        return 0
 
     def stop(self, *_: object) -> None:
         self._drain_asked = "SIGTERM"  # a signal handler only sets a flag; the loop drains (sockets are not reentrant)

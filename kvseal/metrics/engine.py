@@ -1,0 +1,102 @@
+"""A worker's metrics: its engine's figures read at scrape time (no cost on the step), plus the two histograms the
+worker observes as things happen (queue time, KV transfer time). Served on the worker's --metrics-port.
+
+    kvseal:num_requests_running / _waiting      gauges (vLLM's meaning; decode counts its reservation queue too)
+    kvseal:kv_cache_usage_perc                  1 - free pages / pool pages (0..1)
+    kvseal:request_queue_time_seconds           arrival to first scheduled (prefill and unified engines)
+    kvseal:pages_scrubbed_total                 pages zeroed before reuse (seal 6)
+    kvseal:ownership_check_failures_total       page tables refused before a forward pass (seal 5)
+    kvseal:kv_verification_failures_total{field}  handoffs refused by decode, by the manifest field (seal 4)
+    kvseal:kv_transfer_bytes_total{direction}   sent (prefill) / received (decode)
+    kvseal:kv_transfers_total{result}           acked / refused
+    kvseal:kv_transfer_seconds                  prefill: sending a handoff to decode's acknowledgement
+    kvseal:prefix_cache_hit_tokens_total, kvseal:cached_pages, kvseal:frames_refused_total, kvseal:worker_info
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from kvseal.engine.engine import Engine
+
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
+
+
+class EngineCollector(Collector):
+    """Reads `engine` (and the worker's `counters`, `queued()`, `verification_failures`) at each scrape."""
+
+    def __init__(self, engine: Engine, counters: dict[str, int] | None = None,
+                 verification_failures: dict[str, int] | None = None, queued: Callable[[], int] = lambda: 0,
+                 labels: dict[str, str] | None = None) -> None:
+        self.engine = engine
+        self.counters = counters if counters is not None else {}
+        self.verification_failures = verification_failures if verification_failures is not None else {}
+        self.queued = queued
+        e = engine  # what the fleet check compares, as labels of kvseal:worker_info
+        self.identity = {"role": e.role, "model_fingerprint": e.fingerprint, "page_size": str(e.pool.page_size),
+                         "kv_dtype": str(e.kv_dtype).removeprefix("torch."), "kv_layout": e.kv_layout,
+                         "kernels": e.kernels, "arithmetic": e.arithmetic.name, **(labels or {})}
+
+    def collect(self) -> Iterator[Any]:
+        e, c = self.engine, self.counters
+        yield GaugeMetricFamily("kvseal:num_requests_running", "Requests in the engine's batch",
+                                value=len(e.scheduler.running))
+        yield GaugeMetricFamily("kvseal:num_requests_waiting", "Requests waiting for pages or compute",
+                                value=len(e.scheduler.waiting) + self.queued())
+        pages = e.pool.num_pages
+        yield GaugeMetricFamily("kvseal:kv_cache_usage_perc", "KV cache usage (1 = every page held)",
+                                value=1.0 - e.allocator.num_free / pages)
+        yield GaugeMetricFamily("kvseal:cached_pages", "Pages held by the prefix cache", value=e.allocator.num_cached)
+        yield CounterMetricFamily("kvseal:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  value=e.scheduler.reused_tokens)
+        yield CounterMetricFamily("kvseal:pages_scrubbed", "KV pages zeroed before reuse (seal 6)",
+                                  value=e.pages_scrubbed)
+        yield CounterMetricFamily("kvseal:ownership_check_failures", "Page tables refused before a forward pass "
+                                  "(seal 5)", value=e.ownership_violations)
+        failures = CounterMetricFamily("kvseal:kv_verification_failures", "KV handoffs refused by decode, by the "
+                                       "manifest field that failed (seal 4)", labels=["field"])
+        for field, n in sorted(self.verification_failures.items()):
+            failures.add_metric([field], n)
+        yield failures
+        moved = CounterMetricFamily("kvseal:kv_transfer_bytes", "KV bytes moved between workers",
+                                    labels=["direction"])
+        moved.add_metric(["sent"], c.get("kv_bytes_sent", 0))
+        moved.add_metric(["received"], c.get("kv_bytes_received", 0))
+        yield moved
+        transfers = CounterMetricFamily("kvseal:kv_transfers", "KV handoffs by result", labels=["result"])
+        transfers.add_metric(["acked"], c.get("transfers_acked", 0))
+        transfers.add_metric(["refused"], c.get("transfers_refused", 0))
+        yield transfers
+        yield CounterMetricFamily("kvseal:frames_refused", "Malformed or refused frames from peers",
+                                  value=c.get("frames_refused", 0))
+        yield CounterMetricFamily("kvseal:requests_received", "Requests this worker received",
+                                  value=c.get("requests_received", 0))
+        info = InfoMetricFamily("kvseal:worker", "What this worker is (the fleet check compares these)")
+        info.add_metric([], self.identity)
+        yield info
+
+
+class WorkerMetrics:
+    """One process's registry: the engine collector and the histograms the worker observes."""
+
+    def __init__(self, collector: EngineCollector, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.registry.register(collector)
+        self.queue_time = Histogram("kvseal:request_queue_time_seconds", "Arrival to first scheduled",
+                                    buckets=QUEUE_BUCKETS, registry=self.registry)
+        self.transfer_seconds = Histogram("kvseal:kv_transfer_seconds", "A KV handoff, sent to acknowledged",
+                                          buckets=TRANSFER_BUCKETS, registry=self.registry)
+        collector.engine.scheduler.on_first_scheduled = self.queue_time.observe
+        self.endpoint: str | None = None
+
+    def serve(self, host: str, port: int) -> str:
+        """Serve /metrics over HTTP on host:port (0: any free port); returns the URL."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.endpoint = f"http://{host}:{server.server_port}/metrics"
+        return self.endpoint
