@@ -196,6 +196,7 @@ def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], de
     from kvseal.model.loader import load_tokenizer
     from kvseal.router.api import build_app
     from kvseal.router.disagg import DisaggBackend
+    from kvseal.router.probe import install_probe
 
     hooks = hooks_from_spec(a.test_faults, "kvseal router")
     tokenizer, name = load_tokenizer(a.model)
@@ -214,6 +215,7 @@ def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], de
     metrics = RouterMetrics(backend)
     app = build_app(MeteredBackend(backend, metrics), scfg)
     install_metrics(app, metrics)
+    install_probe(app, backend)
     uvicorn.run(app, host=scfg.host, port=scfg.port, log_level=a.log_level, timeout_graceful_shutdown=5)
     if ledger is not None:
         ledger.close()
@@ -296,6 +298,7 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
     from kvseal.metrics.router import MeteredBackend, RouterMetrics
     from kvseal.metrics.router import install as install_metrics
     from kvseal.router.api import build_app
+    from kvseal.router.probe import install_probe
     from kvseal.worker.unified import UnifiedBackend
 
     cfg, scfg = engine_config(a), server_config(a)
@@ -317,6 +320,7 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
     WorkerMetrics(EngineCollector(engine, labels={"endpoint": f"{scfg.host}:{scfg.port}"}), metrics.registry)
     app = build_app(MeteredBackend(backend, metrics), scfg)
     install_metrics(app, metrics)
+    install_probe(app, backend)
     uvicorn.run(app, host=scfg.host, port=scfg.port, log_level=a.log_level, timeout_graceful_shutdown=5)
     if engine.ledger is not None:
         engine.ledger.close()
@@ -327,6 +331,12 @@ def cmd_audit(a: argparse.Namespace) -> int:
     from kvseal.audit.__main__ import run_audit
 
     return run_audit(a)
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from kvseal.doctor import run_doctor
+
+    return run_doctor(a)
 
 
 def cmd_incidents(a: argparse.Namespace) -> int:
@@ -427,6 +437,14 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_audit_args(audit)
     audit.set_defaults(func=cmd_audit)
+
+    from kvseal.doctor import add_doctor_args
+
+    doctor = sub.add_parser("doctor", help="check a running fleet through its router: one row per node, agreement, "
+                            "pools, reachability and a live probe of every pair (exit 0 healthy, 1 problems, 2 "
+                            "unreachable)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_doctor_args(doctor)
+    doctor.set_defaults(func=cmd_doctor)
 
     from kvseal.ledger.incidents import add_incidents_args
 

@@ -214,7 +214,16 @@ class DisaggBackend:
         return random.choice([w for w in live if w.inflight == least])
 
     # -- one request ----------------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+    def _pinned(self, pool: list[WorkerClient], role: str, endpoint: str) -> WorkerClient:
+        """The serving worker at `endpoint` (kvseal doctor's probe of one pair); 503 when it is not serving."""
+        for w in pool:
+            if w.endpoint == endpoint and w.alive:
+                return w
+        raise NoWorkerAvailable(f"no serving {role} worker at {endpoint}")
+
+    async def generate(self, req: GenerateRequest,
+                       pin: tuple[str, str] | None = None) -> AsyncGenerator[GenerateDelta, None]:
+        """pin: (prefill endpoint, decode endpoint) to use instead of the pairing policy (kvseal doctor)."""
         rid = req.request_id
         life = Lifecycle(rid)
         self.lifecycles[rid] = life
@@ -225,12 +234,14 @@ class DisaggBackend:
         q: asyncio.Queue[GenerateDelta | ErrorInfo] | None = None
         prefill_task: asyncio.Task[P.Message] | None = None
         try:
-            where = prefill = self._pick(self.prefills, "prefill", req)
+            where = prefill = (self._pinned(self.prefills, "prefill", pin[0]) if pin
+                               else self._pick(self.prefills, "prefill", req))
             prefill.inflight += 1
             for attempt in range(_PICK_ATTEMPTS):
                 # the decode worker is known before the wait: a client that leaves while its request is queued
                 # there gets it aborted there (finally, below)
-                where = decode = self._pick(self.decodes, "decode")
+                where = decode = self._pinned(self.decodes, "decode", pin[1]) if pin else self._pick(
+                    self.decodes, "decode")
                 decode.inflight += 1
                 reservation = await self._reserve(decode, req, last=attempt == _PICK_ATTEMPTS - 1)
                 if reservation is not None:
