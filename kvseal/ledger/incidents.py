@@ -94,9 +94,10 @@ def report(path: str, total: int, found: list[Incident]) -> str:
         lines.append("no response read KV that was not written for it")
         return "\n".join(lines)
     lines.append(f"{len(found)} response(s) could have been computed from KV not written for them:")
-    lines.append(f"  {'request':<40} {'tenant':<12} {'ended':<20} {'state':<9} {'worker':<32} foreign tokens")
+    w = max(len(i.request_id) for i in found)
+    lines.append(f"  {'request':<{w}} {'tenant':<12} {'ended':<20} {'state':<9} {'worker':<32} foreign tokens")
     for i in found:
-        lines.append(f"  {i.request_id:<40} {i.tenant or '-':<12} {_when(i.ended):<20} {i.state:<9} "
+        lines.append(f"  {i.request_id:<{w}} {i.tenant or '-':<12} {_when(i.ended):<20} {i.state:<9} "
                      f"{i.role + ' ' + i.worker:<32} {i.foreign_tokens:,} ("
                      + ", ".join(f"{k} {v:,}" for k, v in sorted(i.by_kind.items())) + ")")
     readers = Counter(i.tenant or "-" for i in found)

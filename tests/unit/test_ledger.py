@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,10 @@ def test_a_placeholder_reads_foreign_kv_and_incidents_names_it(tiny: Checkpoint,
     total, found = find(str(path))
     assert total == 4 and [(i.request_id, i.role, i.tenant) for i in found] == [("B", "decode", "globex")]
     assert main(["incidents", str(path)]) == 1
+    ended = found[0].ended
+    assert find(str(path), since=ended + 1) == (0, [])  # --since / --until bound the window by end time
+    assert main(["incidents", str(path), "--until", datetime.fromtimestamp(ended - 60, UTC).isoformat()]) == 0
+    assert main(["incidents", str(path), "--since", str(ended - 60), "--until", str(ended + 60)]) == 1
 
 
 def test_incidents_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
