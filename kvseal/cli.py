@@ -313,9 +313,9 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
     info = engine.info()
     logging.getLogger("kvseal").info(
         "serving %s (%s) on http://%s:%d: context window %d tokens, KV pool %d tokens (%d pages of %d), "
-        "kv dtype %s, scrub %s", backend.model_name, info["model_fingerprint"], scfg.host, scfg.port,
+        "kv dtype %s, scrub %s, ledger %s", backend.model_name, info["model_fingerprint"], scfg.host, scfg.port,
         engine.context_window, engine.pool.capacity_tokens, engine.pool.num_pages, engine.pool.page_size,
-        info["kv_dtype"], "on" if cfg.cache.scrub else "off")
+        info["kv_dtype"], "on" if cfg.cache.scrub else "off", cfg.ledger.path or "off")
     metrics = RouterMetrics(backend)
     WorkerMetrics(EngineCollector(engine, labels={"endpoint": f"{scfg.host}:{scfg.port}"}), metrics.registry)
     app = build_app(MeteredBackend(backend, metrics), scfg)
