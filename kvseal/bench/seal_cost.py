@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         return e
 
     on = engine(True)
-    pairs = interleaved(on, engine(False), prompts, a.new_tokens, a.repeats)
+    runs = interleaved(on, engine(False), prompts, a.new_tokens, a.repeats)
     sums, prefill = zip(*(handoff_share(on, prompts[i % len(prompts)]) for i in range(a.repeats)))
-    result = summary(a, pairs, "sealed", "unsealed")
+    result = summary(a, runs, "sealed", "unsealed")
     result["checksum_s_per_handoff"] = statistics.median(sums)
     result["prefill_s_per_prompt"] = statistics.median(prefill)
     result["checksum_share_of_prefill"] = result["checksum_s_per_handoff"] / result["prefill_s_per_prompt"]
@@ -112,12 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def summary(a: argparse.Namespace, pairs: list[tuple[float, float]], on: str, off: str) -> dict[str, Any]:
-    """The workload, the median tok/s of each side and the median of the per-pair ratios."""
+def summary(a: argparse.Namespace, runs: tuple[list[tuple[float, float]], list[tuple[float, float]]], on: str,
+            off: str) -> dict[str, Any]:
+    """The workload, the median tok/s of each side, the median of the per-pair ratios, and the median per-pair
+    ratio of CPU seconds (on / off: above 1 is what `on` costs)."""
+    pairs, cpu = runs
     return {"workload": {"requests": a.requests, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
                          "dtype": a.dtype, "threads": torch.get_num_threads()},
             f"{on}_tok_s": statistics.median(x for x, _ in pairs), f"{off}_tok_s": statistics.median(y for _, y in pairs),
-            f"{on}_over_{off}": statistics.median(x / y for x, y in pairs), "runs": pairs, "machine": machine_info()}
+            f"{on}_over_{off}": statistics.median(x / y for x, y in pairs),
+            f"{on}_cpu_s_over_{off}": statistics.median(x / y for x, y in cpu), "runs": pairs, "cpu_s": cpu,
+            "machine": machine_info()}
 
 
 def workload(a: argparse.Namespace) -> list[list[int]]:
@@ -131,18 +136,26 @@ def _save(out: str, result: dict[str, Any]) -> None:
 
 
 def interleaved(on: Engine, off: Engine, prompts: list[list[int]], new_tokens: int,
-                repeats: int) -> list[tuple[float, float]]:
-    """(on, off) output tok/s per repeat, the order alternating so that machine noise hits both."""
+                repeats: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(on, off) output tok/s per repeat, the order alternating so that machine noise hits both; and (on, off)
+    CPU seconds of this process per repeat (every thread: the engine's, torch's and the ledger writer's), which
+    other processes on a shared machine disturb far less than wall time."""
     run_workload(on, prompts[:2], 4, "warm")
     run_workload(off, prompts[:2], 4, "warm")
     pairs: list[tuple[float, float]] = []
+    cpu: list[tuple[float, float]] = []
     for r in range(repeats):
         first, second = ((on, off) if r % 2 == 0 else (off, on))
+        c0 = time.process_time()
         x = run_workload(first, prompts, new_tokens, f"r{r}a")
+        c1 = time.process_time()
         y = run_workload(second, prompts, new_tokens, f"r{r}b")
+        c2 = time.process_time()
         pairs.append((x, y) if first is on else (y, x))
-        print(f"repeat {r}: on {pairs[-1][0]:.1f} tok/s, off {pairs[-1][1]:.1f} tok/s", flush=True)
-    return pairs
+        cpu.append((c1 - c0, c2 - c1) if first is on else (c2 - c1, c1 - c0))
+        print(f"repeat {r}: on {pairs[-1][0]:.1f} tok/s {cpu[-1][0]:.1f} cpu-s, off {pairs[-1][1]:.1f} tok/s "
+              f"{cpu[-1][1]:.1f} cpu-s", flush=True)
+    return pairs, cpu
 
 
 def compare_ledger(a: argparse.Namespace) -> int:
@@ -156,14 +169,15 @@ def compare_ledger(a: argparse.Namespace) -> int:
         on, off = (Engine(EngineConfig(model=ModelConfig(dtype=a.dtype), cache=CacheConfig(pool_tokens=tokens),
                                        ledger=LedgerConfig(path)), ckpt)
                    for path in (f"{tmp}/ledger.sqlite", None))
-        pairs = interleaved(on, off, prompts, a.new_tokens, a.repeats)
+        runs = interleaved(on, off, prompts, a.new_tokens, a.repeats)
         assert on.ledger is not None
         on.ledger.close()
         rows = on.ledger.written
-    result = summary(a, pairs, "ledger_on", "ledger_off")
+    result = summary(a, runs, "ledger_on", "ledger_off")
     result["ledger_rows_written"] = rows
     print(f"ledger: on {result['ledger_on_tok_s']:.1f} tok/s, off {result['ledger_off_tok_s']:.1f} tok/s, "
-          f"ratio {result['ledger_on_over_ledger_off']:.3f} (median of {a.repeats} pairs; {rows} rows written)")
+          f"ratio {result['ledger_on_over_ledger_off']:.3f}; CPU seconds on/off {result['ledger_on_cpu_s_over_ledger_off']:.3f} "
+          f"(medians of {a.repeats} pairs; {rows} rows written)")
     _save(a.out or "bench_out/ledger_cost.json", result)
     return 0
 
