@@ -18,9 +18,9 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[tuple[Server, Worker, Worker]]:
-    # prefill computes 16 tokens a step, so six ~300-token prompts keep the last one queued for many times
-    # decode's 0.5 s reservation timeout
-    args = ["--max-model-len", "1024", "--kv-pool-tokens", "4096"]
+    # prefill computes 16 tokens a step, so twelve ~300-token prompts keep the last one queued for many times
+    # decode's 0.5 s reservation timeout (~12 ms a step with the fast kernels: six prompts were not enough)
+    args = ["--max-model-len", "1024", "--kv-pool-tokens", "8192"]
     prefill = Worker("prefill", [*args, "--max-num-batched-tokens", "16"]).ready()
     decode = Worker("decode", [*args, "--reservation-timeout", "0.5"]).ready()
     router = Server(["--prefill", prefill.endpoint, "--decode", decode.endpoint], command="router").ready()
@@ -33,7 +33,7 @@ def fleet() -> Iterator[tuple[Server, Worker, Worker]]:
 
 def test_queued_prefill_outlives_the_reservation_timeout(fleet: tuple[Server, Worker, Worker]) -> None:
     router, prefill, decode = fleet
-    prompts = [f"Story {i}: " + "the river runs to the sea and " * 40 for i in range(6)]
+    prompts = [f"Story {i}: " + "the river runs to the sea and " * 40 for i in range(12)]
 
     def one(prompt: str) -> httpx.Response:
         return httpx.post(router.url + "/v1/completions", timeout=300, json={
