@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvseal.config import CacheConfig, EngineConfig, LedgerConfig, ModelConfig, SchedulerConfig, ServerConfig
@@ -120,6 +121,9 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
                    help="require a bearer key on every route but /health: FILE has one `TENANT KEY` line per key "
                         "(# comments); the tenant keys the prefix cache. Without it: no keys, one tenant")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger bodies get 413")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="render chats with the jinja2 template in FILE instead of the model's own (as vLLM's "
+                        "--chat-template; /tokenize with messages uses it too)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -128,6 +132,24 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
 
     keys = load_api_keys(a.api_keys) if a.api_keys is not None else ()
     return ServerConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes, api_keys=keys)
+
+
+def chat_template(a: argparse.Namespace) -> str | None:
+    """The text of --chat-template FILE (None without the flag); an unreadable file stops the start."""
+    if a.chat_template is None:
+        return None
+    from kvseal.model.chat_template import compile_chat_template
+
+    try:
+        source = Path(a.chat_template).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"invalid --chat-template={a.chat_template!r}: cannot read it as UTF-8 text "
+                         f"({type(exc).__name__}); give a jinja2 template file") from None
+    try:
+        compile_chat_template(source)
+    except ValueError as exc:
+        raise ValueError(f"invalid --chat-template={a.chat_template!r}: {exc}") from None
+    return source
 
 
 def engine_argv(a: argparse.Namespace) -> list[str]:
@@ -186,7 +208,8 @@ def cmd_worker(a: argparse.Namespace) -> int:
     return server.run()
 
 
-def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], decode: list[str]) -> int:
+def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], decode: list[str],
+               template: str | None) -> int:
     import uvicorn
 
     from kvseal.faults import hooks_from_spec
@@ -202,6 +225,8 @@ def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], de
     tokenizer, name = load_tokenizer(a.model)
     path = ledger_path(a)
     ledger = Ledger(path) if path else None
+    if template is not None:
+        tokenizer = tokenizer.with_chat_template(template)
     backend = DisaggBackend(tokenizer, a.served_model_name or name, prefill, decode,
                             max_model_len=a.max_model_len, hooks=hooks,
                             fleet_bind=f"tcp://{a.fleet_host or a.host}:{a.fleet_port}", ledger=ledger)
@@ -259,7 +284,8 @@ def cmd_router(a: argparse.Namespace) -> int:
     if not a.prefill or not a.decode:
         print("kvseal router: give at least one --prefill HOST:PORT and one --decode HOST:PORT", file=sys.stderr)
         return 2
-    return run_router(a, server_config(a), [_endpoint(x) for x in a.prefill], [_endpoint(x) for x in a.decode])
+    return run_router(a, server_config(a), [_endpoint(x) for x in a.prefill], [_endpoint(x) for x in a.decode],
+                      chat_template(a))
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -267,7 +293,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return cmd_serve_unified(a)
     from kvseal.launch import Fleet
 
-    scfg = server_config(a)  # a bad --api-keys file stops us before any worker starts
+    scfg, template = server_config(a), chat_template(a)  # a bad --api-keys or template: no worker starts
     argv = _without(engine_argv(a), "--threads")
     p_threads, d_threads = worker_threads(a, os.cpu_count() or 1)
     prefill_argv = list(argv) if a.prefill_kv_pool_tokens is None else [
@@ -277,7 +303,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         prefill_argv += ["--test-faults", a.test_faults]
     with Fleet([*prefill_argv, "--threads", str(p_threads)], [*argv, "--threads", str(d_threads)],
                a.prefill, a.decode) as fleet:
-        return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints)
+        return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints, template)
 
 
 def worker_threads(a: argparse.Namespace, cores: int) -> tuple[int, int]:
@@ -301,7 +327,7 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
     from kvseal.router.probe import install_probe
     from kvseal.worker.unified import UnifiedBackend
 
-    cfg, scfg = engine_config(a), server_config(a)
+    cfg, scfg, template = engine_config(a), server_config(a), chat_template(a)
     engine = Engine(cfg)
     cores = os.cpu_count() or 1
     if a.threads is None and cores >= 2:
@@ -309,7 +335,7 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
         # it a core (measured on 2 cores: 1.2-1.9x the tok/s of two engine threads over HTTP, docs/benchmarks.md),
         # prompt chunks of 256 tokens and more take every core
         engine.step_threads = (cores - 1, cores, 256)
-    backend = UnifiedBackend(engine, cfg.model.served_name)
+    backend = UnifiedBackend(engine, cfg.model.served_name, template)
     info = engine.info()
     logging.getLogger("kvseal").info(
         "serving %s (%s) on http://%s:%d: context window %d tokens, KV pool %d tokens (%d pages of %d), "

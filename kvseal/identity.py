@@ -15,11 +15,11 @@ from kvseal.model.tokenizer import Tokenizer
 
 
 def tokenizer_digest(tok: Tokenizer) -> str:
-    """sha256 over the vocabulary, merges and normalizers (the backend's JSON), special tokens and chat template.
-    About 0.1 s for a 50k vocabulary: computed once per process."""
+    """sha256 over the vocabulary, merges and normalizers (the backend's JSON) and special tokens. About 0.1 s
+    for a 50k vocabulary: computed once per process. Not the chat template: only the router renders chats, and
+    `--chat-template` may replace it there."""
     h = hashlib.sha256(tok.backend.to_str().encode())
-    h.update(json.dumps([tok.bos_id, list(tok.eos_ids), tok.add_bos, tok.chat_template, tok.bos_token,
-                         tok.eos_token]).encode())
+    h.update(json.dumps([tok.bos_id, list(tok.eos_ids), tok.add_bos, tok.bos_token, tok.eos_token]).encode())
     return "sha256:" + h.hexdigest()[:32]
 
 

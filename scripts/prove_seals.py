@@ -70,7 +70,7 @@ MUTATIONS = [
      "            self.dengine.accept(a.manifest, a.payload, check=self.hooks.verify_kv())",
      "            self.dengine.accept(a.manifest, a.payload, check=False)",
      ["tests/integration/test_disagg_handoff.py::test_decode_refuses_kv_that_is_not_what_it_reserved"], True),
-    ("3 reject before transfer (router window check)", "kvseal/router/api.py",
+    ("3 reject before transfer (router window check)", "kvseal/router/routes/generate.py",
      "        if len(ids) + max_tokens > window:",
      "        if False:",
      ["tests/integration/test_disagg_incident.py::test_window_lowered_to_fit_rejects_before_any_worker"], True),

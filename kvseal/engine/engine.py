@@ -22,8 +22,10 @@ from kvseal.engine.runner import ModelRunner
 from kvseal.engine.sampling import sample
 from kvseal.engine.scheduler import Scheduler
 from kvseal.engine.sequence import Sequence
+from kvseal.engine.structured import Grammars
 from kvseal.errors import (
     ContextLengthExceeded,
+    InternalError,
     InvalidRequest,
     KvsealError,
     Overloaded,
@@ -102,6 +104,7 @@ class Engine:
         self.context_window = min(model_window, self.pool.capacity_tokens)
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, cfg.cache.page_size, self.prefix_cache)
         self.runner = ModelRunner(self.model, self.pool, self.allocator)
+        self.grammars = Grammars(self.tokenizer, arch.vocab_size)  # response_format (engine/structured.py)
         self.seqs: dict[str, Sequence] = {}
         self._out: list[GenerateDelta] = []
         self._rng = torch.Generator().manual_seed(cfg.seed)
@@ -195,6 +198,8 @@ class Engine:
                 raise Overloaded("the server is overloaded: too many queued requests; retry later")
             if any(t < 0 or t >= self.arch.vocab_size for t in req.prompt_ids):
                 raise InvalidRequest("a prompt token id is outside the vocabulary", param="prompt")
+            if req.params.response_format is not None:
+                seq.grammar = self.grammars.matcher(req.params.response_format)
         except KvsealError as err:
             seq.life.reject(err)
             self._out.append(self._final(seq))
@@ -258,6 +263,7 @@ class Engine:
                 if seq.cache_keys and seq.num_computed - n < len(seq.prompt_ids) <= seq.num_computed:
                     self._cache_prompt(seq)
             if result.logits is not None:
+                self.grammars.mask(result.logits, [s.grammar for s in result.sampled])
                 tokens, lps = sample(result.logits, [s.params for s in result.sampled],
                                      [s.seed for s in result.sampled],
                                      [len(s.output_ids) for s in result.sampled])
@@ -289,13 +295,18 @@ class Engine:
         if seq.life.state in (State.PREFILLING, State.VERIFIED):
             seq.life.advance(State.DECODING)
         p = seq.params
+        if seq.grammar is not None and not seq.grammar.accept_token(tok):  # only a peer's first token can
+            self._end(seq, partial(seq.life.fail, InternalError(
+                f"request {seq.request_id}: token {tok} breaks its response_format; no output")))
+            return
+        grammar_done = seq.grammar is not None and seq.grammar.is_terminated()  # tok is a stop token then
         seq.output_ids.append(tok)
         if lp is not None:
             seq.pending_logprobs.append(lp)
         n_out = len(seq.output_ids)
         reason: FinishReason | None = None
         stop_token = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.eos_ids)
-        if stop_token and n_out > p.min_tokens:
+        if grammar_done or (stop_token and n_out > p.min_tokens):
             reason = FinishReason.STOP
         else:
             seq.text += seq.decoder.feed(tok)

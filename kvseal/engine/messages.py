@@ -13,6 +13,13 @@ from kvseal.errors import ErrorInfo
 SCHEMA_VERSION = 1
 
 
+class ResponseFormat(msgspec.Struct, frozen=True):
+    """Constrained decoding (engine/structured.py): "json_object", or "json_schema" with the schema as JSON."""
+
+    type: str
+    schema: str | None = None
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     max_tokens: int
     temperature: float = 1.0  # 0 -> greedy
@@ -24,6 +31,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob and the top k
     min_tokens: int = 0
+    response_format: ResponseFormat | None = None  # None: free text
 
     @property
     def greedy(self) -> bool:

@@ -21,6 +21,14 @@ def draw_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample `index` of a request with n samples: sample 0 keeps the request's seed (n=1 is
+    unchanged), each other sample gets a stream of its own. No seed: each sample draws its own at the engine."""
+    if seed is None or index == 0:
+        return seed
+    return draw_seed(seed ^ 0x5851F42D4C957F2D, -index - 1) - (1 << 62)  # a signed 63-bit value, like a seed
+
+
 def sample(
     logits: torch.Tensor,  # (B, V) float32
     params: list[SamplingParams],

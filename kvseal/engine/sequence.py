@@ -10,11 +10,15 @@ num_computed starts at the end of them; every page written from there on is the 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from kvseal.engine.messages import GenerateRequest, SamplingParams, TokenLogprob
 from kvseal.kv.allocator import Owner
 from kvseal.lifecycle import Lifecycle
 from kvseal.model.detokenize import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
 
 
 class Sequence:
@@ -28,6 +32,7 @@ class Sequence:
         self.cache_ns = 0
         self.cache_keys: list[bytes] = []
         self.cached_tokens = 0  # prompt tokens served from the cache when it was first scheduled (usage)
+        self.grammar: GrammarMatcher | None = None  # with a response_format: what may come next
         self.life = Lifecycle(req.request_id)
         self.owner = owner
         self.pages: list[int] = []

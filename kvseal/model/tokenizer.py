@@ -93,6 +93,18 @@ class Tokenizer:
         specials = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token)) if v}
         return render_chat_template(self._compiled, normalized, add_generation_prompt, specials)
 
+    def with_chat_template(self, source: str, origin: str = "--chat-template") -> Tokenizer:
+        """The same tokenizer rendering chats with `source` instead of the model's own template (vLLM's
+        --chat-template). A template that does not parse is refused here, at start, naming `origin`."""
+        try:
+            compiled = compile_chat_template(source)
+        except ValueError as exc:
+            raise ValueError(f"invalid {origin}: {exc}; fix the template or leave the flag out") from None
+        tok = Tokenizer(self.backend, self.bos_id, self.eos_ids, self.add_bos, source, self.bos_token,
+                        self.eos_token)
+        tok._compiled = compiled
+        return tok
+
     @classmethod
     def from_gguf_fields(cls, reader: gguf.GGUFReader) -> Tokenizer:
         from kvseal.model.gguf_tokenizer import tokenizer_from_gguf_reader

@@ -1,31 +1,43 @@
 """OpenAI request bodies, validated. Anything out of range is a 400 with the parameter named.
 
 Extensions that vLLM and SGLang users expect are accepted too: top_k, min_tokens, ignore_eos,
-stop_token_ids, cache_salt. Unknown fields are ignored, as those servers do.
+stop_token_ids, cache_salt, return_token_ids. A field kvseal does not implement (tools, logit_bias, ...) is a
+400 that names it, never silently dropped (seal 2: no stand-in answers); a field sent as null counts as absent.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _MAX_STOPS = 16
 _I32 = 2**31 - 1  # integers travel between processes as msgpack int64: bound them at the door
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    """A body part whose unknown fields are refused by name (extra_forbidden -> 400); null means absent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+        return data
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ContentPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -38,8 +50,27 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class JsonSchema(Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormatBody(Strict):
+    """OpenAI's response_format: free text, any JSON object, or JSON that follows a schema (engine/structured.py)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormatBody:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("give json_schema (with its schema) exactly when type is json_schema")
+        return self
+
+
+class _SamplingFields(Strict):
     model: str
     max_tokens: Annotated[int, Field(ge=1, le=_I32)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -58,6 +89,7 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     cache_salt: str | None = None
     return_token_ids: bool = False  # vLLM's extension: choices[0].token_ids holds the generated ids
+    response_format: ResponseFormatBody | None = None
 
     @field_validator("stop")
     @classmethod
@@ -96,6 +128,30 @@ class CompletionRequest(_SamplingFields):
     echo: Literal[False] = False
     suffix: None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+
+
+class TokenizeCompletionRequest(Strict):
+    """vLLM's /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(Strict):
+    """vLLM's /tokenize with messages: the chat template is rendered first, as /v1/chat/completions does."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=_I32)]]
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:

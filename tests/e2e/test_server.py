@@ -121,3 +121,52 @@ def test_client_disconnect_frees_pages_at_once(server: Server) -> None:
     wait_until(lambda: _all_pages_free(server), 20, "pages freed after the client disconnected")
     if held["role"] == "router":
         wait_until(lambda: httpx.get(server.url + "/info").json()["ended"]["aborted"] >= 1, 10, "aborted")
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"logit_bias": {"50": 10}}, "logit_bias"),
+    ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "x"}]}, "messages.0.tool_call_id"),
+])
+def test_unimplemented_fields_are_a_400_naming_them(client: openai.OpenAI, extra: dict[str, object],
+                                                    param: str) -> None:
+    """Never a free-text 200 in place of what a field asked for (seal 2): the field is named."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body=extra)
+    assert e.value.status_code == 400 and e.value.param == param and param in e.value.message
+    ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                        extra_body={"tools": None, "logit_bias": None})  # null is absent
+    assert ok.usage.completion_tokens == 2
+
+
+def test_tokenize_and_detokenize_in_vllms_shape(server: Server, client: openai.OpenAI) -> None:
+    prompt = "The first three planets are"
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": prompt, "return_token_strs": True},
+                   timeout=30).json()
+    used = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0).usage
+    assert r["count"] == len(r["tokens"]) == used.prompt_tokens and r["max_model_len"] == 2048
+    assert "".join(r["token_strs"]) == prompt
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, timeout=30).json()
+    assert back == {"prompt": prompt}
+    msgs = [{"role": "user", "content": "Name two colors."}]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": msgs}, timeout=30).json()
+    chat_used = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0).usage
+    assert chat["count"] == chat_used.prompt_tokens and chat["token_strs"] is None
+    assert "<|im_start|>user\nName two colors." in httpx.post(
+        server.url + "/detokenize", json={"tokens": chat["tokens"]}, timeout=30).json()["prompt"]
+    for path, body, param in (("/tokenize", {"prompt": "x", "bogus": 1}, "bogus"),
+                              ("/tokenize", {"prompt": "x", "model": "nope"}, "model"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")):
+        bad = httpx.post(server.url + path, json=body, timeout=30)
+        assert bad.status_code in (400, 404) and bad.json()["error"]["param"] == param, bad.text
+
+
+def test_version(server: Server) -> None:
+    import kvseal
+
+    assert httpx.get(server.url + "/version", timeout=30).json() == {"version": kvseal.__version__}

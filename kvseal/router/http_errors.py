@@ -1,0 +1,58 @@
+"""Every failure leaves the HTTP API here, as OpenAI-shaped JSON with its status (a 503 with Retry-After)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvseal.engine.messages import GenerateDelta
+from kvseal.errors import InvalidRequest, KvsealError, NotFound
+from kvseal.router.requestlog import trace_of
+
+RETRY_AFTER_S = 1  # what a 503 (overloaded, queue full, no worker serving) tells the client to wait
+
+
+def error_response(err: KvsealError) -> JSONResponse:
+    headers = {"retry-after": str(RETRY_AFTER_S)} if err.status == 503 else None
+    return JSONResponse(err.to_openai(), status_code=err.status, headers=headers)
+
+
+def failed(request: Request, err: KvsealError, last: GenerateDelta | None = None) -> JSONResponse:
+    """The error response for a request that reached the backend, its stage and worker noted for the log."""
+    trace_of(request.scope).failed(err.code, err.message, last.stage if last else None,
+                                   last.worker if last else None)
+    return error_response(err)
+
+
+def validation_error(errs: Sequence[Any]) -> InvalidRequest:
+    """The first pydantic error as a 400 naming the field (an unknown field: `extra_forbidden`)."""
+    first = errs[0] if errs else {}
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    if first.get("type") == "extra_forbidden":
+        return InvalidRequest(f"{loc}: this field is not supported by kvseal; remove it from the request",
+                              param=loc or None)
+    msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", "invalid"))
+    return InvalidRequest(msg, param=loc or None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(KvsealError)
+    async def _kvseal_error(_: Request, err: KvsealError) -> JSONResponse:
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error_response(NotFound("no such endpoint"))
+        err = InvalidRequest(str(exc.detail))
+        err.status = exc.status_code
+        return error_response(err)

@@ -1,0 +1,1 @@
+"""The HTTP routes, one module per concern; router/api.py mounts them."""

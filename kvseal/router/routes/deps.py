@@ -1,0 +1,31 @@
+"""What a route reads from its request: the app's backend and the caller's tenant."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from kvseal.engine.structured import Grammars
+from kvseal.errors import ModelNotFound
+from kvseal.router.backend import Backend
+
+
+def backend_of(request: Request) -> Backend:
+    backend: Backend = request.app.state.backend  # set by router/api.build_app
+    return backend
+
+
+def grammars_of(request: Request) -> Grammars:
+    grammars: Grammars = request.app.state.grammars  # set by router/api.build_app
+    return grammars
+
+
+def tenant_of(request: Request) -> str:
+    return str(request.state.tenant)  # set by TenantAuth: "" when the server has no --api-keys
+
+
+def check_model(backend: Backend, name: str | None) -> None:
+    """A request naming a model must name the served one (an absent model means the served one)."""
+    if name is not None and name != backend.model_name:
+        shown = name.encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates stay printable
+        raise ModelNotFound(f"The model `{shown}` does not exist. This server serves `{backend.model_name}`.",
+                            param="model")

@@ -1,0 +1,120 @@
+"""/v1/chat/completions and /v1/completions: a validated body -> prompt ids and SamplingParams -> the backend.
+
+The window check happens here, before any worker sees the request (seal 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from kvseal.engine.messages import GenerateRequest, ResponseFormat, SamplingParams
+from kvseal.engine.structured import response_format
+from kvseal.errors import ContextLengthExceeded, InvalidRequest
+from kvseal.router import respond
+from kvseal.router.backend import Backend
+from kvseal.router.openai_format import ResponseBuilder
+from kvseal.router.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
+from kvseal.router.requestlog import trace_of
+from kvseal.router.routes.deps import backend_of, check_model, grammars_of, tenant_of
+from kvseal.router.text import encode_text, render_chat
+
+router = APIRouter()
+
+
+async def encode(backend: Backend, text: str, param: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of `text` (a rendered chat: param "messages", add_special_tokens False; a prompt: "prompt")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"the {param} are not valid UTF-8 text (a lone surrogate at position {exc.start})",
+                             param=param) from None
+    return await encode_text(backend.tokenizer, text, add_special_tokens=add_special_tokens)
+
+
+async def chat_prompt(backend: Backend, body: ChatCompletionRequest) -> list[int]:
+    try:
+        text = await render_chat(backend.tokenizer, message_dicts(body.messages), body.add_generation_prompt)
+    except ValueError as exc:
+        raise InvalidRequest(f"messages: {exc}", param="messages") from exc
+    return await encode(backend, text, "messages", add_special_tokens=False)
+
+
+async def completion_prompt(backend: Backend, body: CompletionRequest) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise InvalidRequest("only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return await encode(backend, prompt, "prompt", add_special_tokens=True)
+    ids = [int(t) for t in prompt]
+    if any(t >= backend.tokenizer.vocab_size for t in ids):
+        raise InvalidRequest("a prompt token id is outside the vocabulary", param="prompt")
+    return ids
+
+
+async def response_format_of(request: Request, body: ChatCompletionRequest | CompletionRequest
+                             ) -> ResponseFormat | None:
+    """The body's response_format for the engine (None: free text), refused here if it cannot be enforced."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    rf = response_format(fmt.type, fmt.json_schema.schema_ if fmt.json_schema is not None else None)
+    await asyncio.to_thread(grammars_of(request).check, rf)  # the first one imports xgrammar: off the loop
+    return rf
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+    backend = backend_of(request)
+    check_model(backend, body.model)
+    ids = await chat_prompt(backend, body)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    return await run(request, body, ids, body.max_completion_tokens or body.max_tokens, top, chat=True)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    backend = backend_of(request)
+    check_model(backend, body.model)
+    ids = await completion_prompt(backend, body)
+    return await run(request, body, ids, body.max_tokens, body.logprobs, chat=False)
+
+
+async def run(request: Request, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
+              max_tokens: int | None, top_logprobs: int | None, chat: bool) -> Any:
+    backend = backend_of(request)
+    window = backend.context_window
+    if not ids:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    if max_tokens is None:
+        max_tokens = max(window - len(ids), 1)
+    if len(ids) + max_tokens > window:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {window} tokens. However, you requested "
+            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
+            f"Please reduce the length of the prompt or completion.", param="messages" if chat else "prompt")
+    params = SamplingParams(
+        response_format=await response_format_of(request, body),
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(body.top_k or 0, 0),
+        seed=body.seed,
+        stop=body.stop_list(),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=top_logprobs,
+        min_tokens=body.min_tokens,
+    )
+    rid = ("chatcmpl-" if chat else "cmpl-") + trace_of(request.scope).request_id
+    gen = backend.generate(GenerateRequest(rid, ids, params, tenant=tenant_of(request),
+                                           cache_salt=body.cache_salt))
+    builder = ResponseBuilder(rid, backend.model_name, chat, body.return_token_ids)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await respond.stream(request, backend.tokenizer, gen, builder, include_usage, chat)
+    return await respond.whole(request, backend.tokenizer, gen, builder, chat)

@@ -1,0 +1,37 @@
+"""What the server is: /health, /info, /v1/models, /version."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from kvseal import __version__
+from kvseal.router.routes.deps import backend_of
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    ok = await backend_of(request).healthy()
+    return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+
+
+@router.get("/info")
+async def info(request: Request) -> dict[str, Any]:
+    return await backend_of(request).info()
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    backend = backend_of(request)
+    card = {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "kvseal",
+            "max_model_len": backend.context_window}
+    return {"object": "list", "data": [card]}
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}  # vLLM's shape

@@ -1,0 +1,67 @@
+"""/tokenize and /detokenize in vLLM's shape.
+
+POST /tokenize {"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens", "token_strs"};
+POST /detokenize {"tokens": [int]} -> {"prompt": str}. A chat is rendered with the served chat template, as
+/v1/chat/completions renders it, so `count` is what a chat request's usage.prompt_tokens will say.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Body, Request
+from pydantic import BaseModel, ValidationError
+
+from kvseal.errors import InvalidRequest
+from kvseal.router.http_errors import validation_error
+from kvseal.router.protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    message_dicts,
+)
+from kvseal.router.routes.deps import backend_of, check_model
+from kvseal.router.routes.generate import encode
+from kvseal.router.text import render_chat
+
+router = APIRouter()
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], body: Any) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request, body: Any = Body(...)) -> dict[str, Any]:  # noqa: B008 (FastAPI's idiom)
+    backend = backend_of(request)
+    req: TokenizeChatRequest | TokenizeCompletionRequest
+    if isinstance(body, dict) and "messages" in body:
+        req = parse(TokenizeChatRequest, body)
+        try:
+            text = await render_chat(backend.tokenizer, message_dicts(req.messages), req.add_generation_prompt)
+        except ValueError as exc:
+            raise InvalidRequest(f"messages: {exc}", param="messages") from exc
+    else:
+        req = parse(TokenizeCompletionRequest, body)
+        text = req.prompt
+    check_model(backend, req.model)
+    ids = await encode(backend, text, "messages" if isinstance(req, TokenizeChatRequest) else "prompt",
+                       req.add_special_tokens)
+    strs = [backend.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs \
+        else None
+    return {"count": len(ids), "max_model_len": backend.context_window, "tokens": ids, "token_strs": strs}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
+    backend = backend_of(request)
+    check_model(backend, body.model)
+    if any(t >= backend.tokenizer.vocab_size for t in body.tokens):
+        raise InvalidRequest("a token id is outside the vocabulary", param="tokens")
+    return {"prompt": backend.tokenizer.decode(body.tokens, skip_special_tokens=False)}
