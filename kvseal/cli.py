@@ -17,6 +17,7 @@ from kvseal.errors import KvsealError
 
 if TYPE_CHECKING:
     from kvseal.router.disagg import DisaggBackend
+    from kvseal.worker.run import WorkerSpec
 
 
 def _on_off(v: str) -> bool:
@@ -98,10 +99,6 @@ def add_test_faults_arg(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
-    if a.threads is not None:
-        import torch
-
-        torch.set_num_threads(max(1, a.threads))
     return EngineConfig(
         model=ModelConfig(path=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                           served_name=a.served_model_name, kernels=a.kernels, arithmetic=a.arithmetic),
@@ -152,60 +149,20 @@ def chat_template(a: argparse.Namespace) -> str | None:
     return source
 
 
-def engine_argv(a: argparse.Namespace) -> list[str]:
-    """The engine flags of `a` as a command line, to start workers with the same settings."""
-    argv = [a.model] if a.model else []
-    argv += ["--dtype", a.dtype, "--device", a.device, "--kernels", a.kernels, "--arithmetic", a.arithmetic,
-             "--kv-dtype", a.kv_dtype, "--page-size", str(a.page_size),
-             "--kv-scrub", "on" if a.kv_scrub else "off", "--max-num-seqs", str(a.max_num_seqs),
-             "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-waiting", str(a.max_waiting),
-             "--wait-timeout", str(a.wait_timeout), "--seed", str(a.seed), "--log-level", a.log_level]
-    if a.no_prefix_cache:
-        argv.append("--no-prefix-cache")
-    for flag, value in (("--max-model-len", a.max_model_len), ("--kv-pool-tokens", a.kv_pool_tokens),
-                        ("--kv-pool-bytes", a.kv_pool_bytes), ("--served-model-name", a.served_model_name),
-                        ("--threads", a.threads), ("--ledger", ledger_path(a))):
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv
-
-
-def _without(argv: list[str], *flags: str) -> list[str]:
-    """argv less each of `flags` and the value after it."""
-    return [x for i, x in enumerate(argv) if not (x in flags or (i > 0 and argv[i - 1] in flags))]
-
-
 def _endpoint(hostport: str) -> str:
     return hostport if "://" in hostport else f"tcp://{hostport}"
 
 
 def cmd_worker(a: argparse.Namespace) -> int:
-    from kvseal.engine.disagg import DecodeEngine, PrefillEngine
-    from kvseal.faults import hooks_from_spec
-    from kvseal.worker.decode import DecodeWorker
-    from kvseal.worker.join import Registration
-    from kvseal.worker.prefill import PrefillWorker
-    from kvseal.worker.server import WorkerServer
+    from kvseal.worker.run import WorkerSpec, run_worker
 
-    hooks = hooks_from_spec(a.test_faults, f"kvseal {a.command}")
-    cfg = engine_config(a)
-    scrub = hooks.scrub_pages(cfg.cache.scrub)
-    if scrub != cfg.cache.scrub:
-        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, scrub=scrub))
-    bind = f"tcp://{a.host}:{a.port}"
-    server: WorkerServer
-    if a.command == "prefill":
-        server = PrefillWorker(PrefillEngine(cfg), bind, hooks, a.transfer_timeout, a.drain_timeout)
-    else:
-        server = DecodeWorker(DecodeEngine(cfg), bind, f"tcp://{a.kv_host or a.host}:{a.kv_port}", hooks,
-                              a.reservation_timeout, a.drain_timeout)
-    if a.metrics_port >= 0:
-        logging.getLogger("kvseal").info("metrics on %s", server.metrics.serve(a.host, a.metrics_port))
-    if a.router:
-        port = server.endpoint.rsplit(":", 1)[1]
-        server.join = Registration(server.ctx, _endpoint(a.router), a.command,
-                                   f"tcp://{a.advertise_host or a.host}:{port}")
-    return server.run()
+    return run_worker(WorkerSpec(
+        role=a.command, engine=engine_config(a), host=a.host, port=a.port, threads=a.threads,
+        log_level=a.log_level, test_faults=a.test_faults, drain_timeout_s=a.drain_timeout,
+        router=_endpoint(a.router) if a.router else None, advertise_host=a.advertise_host,
+        metrics_port=a.metrics_port,
+        **({"transfer_timeout_s": a.transfer_timeout} if a.command == "prefill" else
+           {"kv_host": a.kv_host, "kv_port": a.kv_port, "reservation_timeout_s": a.reservation_timeout})))
 
 
 def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], decode: list[str],
@@ -294,16 +251,24 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from kvseal.launch import Fleet
 
     scfg, template = server_config(a), chat_template(a)  # a bad --api-keys or template: no worker starts
-    argv = _without(engine_argv(a), "--threads")
-    p_threads, d_threads = worker_threads(a, os.cpu_count() or 1)
-    prefill_argv = list(argv) if a.prefill_kv_pool_tokens is None else [
-        *_without(argv, "--kv-pool-tokens", "--kv-pool-bytes"), "--kv-pool-tokens", str(a.prefill_kv_pool_tokens)]
-    if a.test_faults:  # given to every process of this fleet, never through the environment
-        argv += ["--test-faults", a.test_faults]
-        prefill_argv += ["--test-faults", a.test_faults]
-    with Fleet([*prefill_argv, "--threads", str(p_threads)], [*argv, "--threads", str(d_threads)],
-               a.prefill, a.decode) as fleet:
+    prefill_spec, decode_spec = worker_specs(a, os.cpu_count() or 1)
+    with Fleet(prefill_spec, decode_spec, a.prefill, a.decode) as fleet:
         return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints, template)
+
+
+def worker_specs(a: argparse.Namespace, cores: int) -> tuple[WorkerSpec, WorkerSpec]:
+    """What `kvseal serve` starts its prefill and decode workers with: this process's engine config (the
+    prefill pool from --prefill-kv-pool-tokens if given), threads per role, and its test faults (given to
+    every process of the fleet, never through the environment)."""
+    from kvseal.worker.run import WorkerSpec
+
+    cfg = engine_config(a)
+    prefill_cfg = cfg if a.prefill_kv_pool_tokens is None else dataclasses.replace(
+        cfg, cache=dataclasses.replace(cfg.cache, pool_tokens=a.prefill_kv_pool_tokens, pool_bytes=None))
+    p_threads, d_threads = worker_threads(a, cores)
+    common = {"log_level": a.log_level, "test_faults": a.test_faults}
+    return (WorkerSpec(role="prefill", engine=prefill_cfg, threads=p_threads, **common),
+            WorkerSpec(role="decode", engine=cfg, threads=d_threads, **common))
 
 
 def worker_threads(a: argparse.Namespace, cores: int) -> tuple[int, int]:
@@ -328,6 +293,10 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
     from kvseal.worker.unified import UnifiedBackend
 
     cfg, scfg, template = engine_config(a), server_config(a), chat_template(a)
+    if a.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, a.threads))
     engine = Engine(cfg)
     cores = os.cpu_count() or 1
     if a.threads is None and cores >= 2:

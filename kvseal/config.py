@@ -40,7 +40,9 @@ class ModelConfig:
 class CacheConfig:
     page_size: int = 16  # tokens per page
     pool_tokens: int | None = None  # KV pool size in tokens (rounded down to whole pages)
-    pool_bytes: int | None = None  # or in bytes; at most one of the two; neither -> the context window x 4
+    # or in bytes; at most one of the two; neither -> twice the model's window (min(model, max_model_len)), the
+    # default Engine passes to kv/pool.pool_num_pages
+    pool_bytes: int | None = None
     scrub: bool = True  # zero pages before they return to the free list (seal 6)
     kv_dtype: str = "auto"  # "auto": bfloat16 with the fast arithmetic, else the model's dtype (resolve_kv_dtype)
     prefix_cache: bool = True  # keep full prompt pages for later requests of the same tenant (seal 9)

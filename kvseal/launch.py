@@ -8,7 +8,12 @@ import socket
 import subprocess
 import sys
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
+
+import msgspec
+
+if TYPE_CHECKING:
+    from kvseal.worker.run import WorkerSpec
 
 # each worker started here gets this process's pid in its environment and stops when this process is gone
 LAUNCHER_PID_ENV = "KVSEAL_LAUNCHER_PID"
@@ -21,20 +26,25 @@ def _free_port() -> int:
 
 
 class Fleet:
-    def __init__(self, prefill_argv: list[str], decode_argv: list[str], num_prefill: int, num_decode: int) -> None:
+    """Each worker is `python -m kvseal.worker.run` with its WorkerSpec (JSON) on stdin, on a loopback port."""
+
+    def __init__(self, prefill: WorkerSpec, decode: WorkerSpec, num_prefill: int, num_decode: int) -> None:
         if num_prefill < 1 or num_decode < 1:
             raise ValueError(f"invalid --prefill {num_prefill} / --decode {num_decode}: give at least 1 of each")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.prefill_endpoints: list[str] = []
         self.decode_endpoints: list[str] = []
-        for role, n, eps, engine_argv in (("prefill", num_prefill, self.prefill_endpoints, prefill_argv),
-                                          ("decode", num_decode, self.decode_endpoints, decode_argv)):
+        for spec, n, eps in ((prefill, num_prefill, self.prefill_endpoints),
+                             (decode, num_decode, self.decode_endpoints)):
             for _ in range(n):
                 port = _free_port()
                 eps.append(f"tcp://127.0.0.1:{port}")
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "kvseal", role, *engine_argv, "--port", str(port)],
-                    env={**os.environ, LAUNCHER_PID_ENV: str(os.getpid())}))
+                proc = subprocess.Popen([sys.executable, "-m", "kvseal.worker.run"], stdin=subprocess.PIPE,
+                                        env={**os.environ, LAUNCHER_PID_ENV: str(os.getpid())})
+                self.procs.append(proc)
+                assert proc.stdin is not None
+                proc.stdin.write(msgspec.json.encode(msgspec.structs.replace(spec, port=port)))
+                proc.stdin.close()
 
     def __enter__(self) -> Self:
         return self

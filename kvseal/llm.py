@@ -115,6 +115,13 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        """The API over an engine built elsewhere (tests and benches that also read its pools)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer, llm._ids = engine, engine.tokenizer, itertools.count()
+        return llm
+
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
                  ) -> list[RequestOutput]:
         """One RequestOutput per prompt (text, or token ids), in order."""

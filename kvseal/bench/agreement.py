@@ -24,12 +24,14 @@ from typing import Any
 
 import torch
 
+from kvseal import llm as api
 from kvseal.bench import cpu_record
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.engine.scheduler import Batch
 from kvseal.engine.sequence import Sequence
+from kvseal.kv.allocator import pages_for
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.detokenize import IncrementalDecoder
 from kvseal.model.loader import load_checkpoint
@@ -67,21 +69,16 @@ def _engine(ck: Checkpoint, arithmetic: str, kv_dtype: str, window: int) -> Engi
 
 
 def greedy(e: Engine, prompts: list[list[int]], new: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        e.add_request(GenerateRequest(f"g{i}", ids, params))
-    out: dict[str, list[int]] = {f"g{i}": [] for i in range(len(prompts))}
-    while e.has_work():
-        for d in e.step():
-            out[d.request_id].extend(d.token_ids)
-    return [out[f"g{i}"] for i in range(len(prompts))]
+    outs = api.LLM.from_engine(e).generate(prompts, api.SamplingParams(max_tokens=new, temperature=0.0,
+                                                                         ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def score(e: Engine, ids: list[int], chunk: int = 512) -> list[float]:
     """log p(ids[t + 1] | ids[: t + 1]) for every t, teacher-forced through the engine's paged path."""
     seq = Sequence(GenerateRequest("score", ids, SamplingParams(max_tokens=1)), e.allocator.new_owner(),
                    IncrementalDecoder(e.tokenizer), 0)
-    seq.pages = e.allocator.allocate(seq.owner, -(-len(ids) // e.pool.page_size))
+    seq.pages = e.allocator.allocate(seq.owner, pages_for(len(ids), e.pool.page_size))
     lps: list[float] = []
     try:
         for start in range(0, len(ids), chunk):

@@ -12,9 +12,9 @@ import json
 
 import torch
 
+from kvseal import LLM, SamplingParams
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.model.loader import load_checkpoint
 
 PROMPTS = [
@@ -30,14 +30,8 @@ PROMPTS = [
 
 
 def greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(GenerateRequest(str(i), ids, params))
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for d in engine.step():
-            out[d.request_id].extend(d.token_ids)
-    return [out[str(i)] for i in range(len(prompts))]
+    outs = LLM.from_engine(engine).generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvseal.bench.common import hf_model, left_pad
-from kvseal.router.openai_format import ResponseBuilder, usage
+from kvseal.router.openai_format import Choice, ResponseBuilder, usage
 
 log = logging.getLogger("kvseal.bench.hf_server")
 
@@ -324,7 +324,7 @@ def build_app(batcher: Batcher, tokenizer: Any, model_name: str, max_context: in
                 return error(500, str(e), "internal_error")
             finally:
                 job.cancelled = True  # a no-op once finished; stops the row if the client went away
-            return JSONResponse(builder.whole("".join(parts), finish, None, usage(n_prompt, len(ids)), ids))
+            return JSONResponse(builder.whole([Choice("".join(parts), finish, None, ids)], usage(n_prompt, len(ids))))
 
         async def sse() -> AsyncIterator[str]:
             n = 0

@@ -24,23 +24,18 @@ from typing import Any
 
 import torch
 
+from kvseal import LLM, SamplingParams
 from kvseal.bench.common import machine_info
 from kvseal.bench.seal_cost import run_workload
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.model.loader import load_checkpoint
 
 
 def prefill_seconds(engine: Engine, prompts: list[list[int]], tag: str) -> float:
     """Seconds until every prompt has its first token (max_tokens=1: prefill only)."""
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add_request(GenerateRequest(f"{tag}-{i}", ids, params))
-    while engine.has_work():
-        for d in engine.step():
-            assert d.error is None, d.error
+    LLM.from_engine(engine).generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     return time.perf_counter() - t0
 
 

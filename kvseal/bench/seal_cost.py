@@ -27,26 +27,22 @@ from typing import Any
 
 import torch
 
+from kvseal import llm as api
 from kvseal.bench.common import machine_info
 from kvseal.config import CacheConfig, EngineConfig, LedgerConfig, ModelConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
+from kvseal.kv.allocator import pages_for
 from kvseal.model.loader import load_checkpoint
 from kvseal.transfer.manifest import pack_pages, page_checksums
 
 
 def run_workload(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str) -> float:
     """Output tok/s of all prompts run concurrently to the end."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add_request(GenerateRequest(f"{tag}-{i}", ids, params))
-    produced = 0
-    while engine.has_work():
-        for d in engine.step():
-            assert d.error is None, d.error
-            produced += len(d.token_ids)
-    return produced / (time.perf_counter() - t0)
+    outs = api.LLM.from_engine(engine).generate(prompts, api.SamplingParams(max_tokens=new_tokens, temperature=0.0,
+                                                                         ignore_eos=True))
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
 def handoff_share(engine: Engine, prompt: list[int]) -> tuple[float, float]:
@@ -57,7 +53,7 @@ def handoff_share(engine: Engine, prompt: list[int]) -> tuple[float, float]:
     while seq.num_computed < len(prompt):
         engine.step()
     t_prefill = time.perf_counter() - t0
-    payload = pack_pages(engine.pool.k, engine.pool.v, seq.pages[: -(-len(prompt) // engine.pool.page_size)])
+    payload = pack_pages(engine.pool.k, engine.pool.v, seq.pages[: pages_for(len(prompt), engine.pool.page_size)])
     assert payload.num_pages > 0
     t1 = time.perf_counter()
     page_checksums(payload)  # prefill computes them into the manifest ...

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from kvseal.kv.allocator import pages_for
 from kvseal.transfer.base import TransferState
 from kvseal.transfer.manifest import (
     CHECKSUM_ALGO,
@@ -34,7 +35,6 @@ from kvseal.transfer.manifest import (
     pack_pages,
     page_checksums,
     page_nbytes,
-    pages_for,
     unpack_into,
     verify,
 )

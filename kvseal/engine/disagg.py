@@ -19,7 +19,7 @@ from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, TokenLogprob
 from kvseal.engine.sequence import Sequence
 from kvseal.errors import KvsealError, Overloaded, TransferTimeout, TransferVerificationFailed
-from kvseal.kv.allocator import OutOfPages
+from kvseal.kv.allocator import OutOfPages, pages_for
 from kvseal.lifecycle import State
 from kvseal.transfer.manifest import (
     KVManifest,
@@ -60,7 +60,7 @@ class PrefillEngine(Engine):
     def _on_sampled(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> None:
         seq.life.advance(State.TRANSFERRING)
         self.scheduler.running.remove(seq)  # out of the batch; its pages stay owned until the handoff ends
-        h = Handoff(seq, tok, lp, -(-len(seq.prompt_ids) // self.pool.page_size))
+        h = Handoff(seq, tok, lp, pages_for(len(seq.prompt_ids), self.pool.page_size))
         self.handoffs[seq.request_id] = h
         self._ready.append(h)
 
@@ -182,14 +182,14 @@ class DecodeEngine(Engine):
         return seq
 
     def pages_for_prompt(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.pool.page_size)
+        return pages_for(num_tokens, self.pool.page_size)
 
     def pages_available(self) -> int:
         """Free pages a new reservation may take. Requests already here come first: pages that waiting (e.g.
         preempted) sequences need to run again are not handed out, or a stream of new arrivals could starve
         them; and every request here keeps one page of room to grow, so that admitting more does not force
         the ones decoding into preemption (their KV dropped and recomputed here)."""
-        owed = sum(max(-(-(s.num_tokens + 1) // self.pool.page_size) - len(s.pages), 0)
+        owed = sum(max(pages_for(s.num_tokens + 1, self.pool.page_size) - len(s.pages), 0)
                    for s in self.scheduler.waiting)
         growing = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self.reserved)
         return self.allocator.num_free - owed - growing

@@ -43,7 +43,9 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    tenant: str = ""  # the tenant the API key names ("" without --api-keys); caches are keyed by it (seal 9)
+    # the tenant the API key names ("" without --api-keys): with cache_salt it keys the prefix cache of prefill and
+    # unified workers (decode keeps none) and the router's prefill affinity (seal 9)
+    tenant: str = ""
     cache_salt: str | None = None  # splits a tenant's prefix cache further (OpenAI/vLLM's cache_salt)
     v: int = SCHEMA_VERSION
 

@@ -13,7 +13,7 @@ import torch
 
 from kvseal.engine.scheduler import Batch
 from kvseal.engine.sequence import Sequence
-from kvseal.kv.allocator import PageAllocator
+from kvseal.kv.allocator import PageAllocator, pages_for
 from kvseal.kv.pool import KVPool
 from kvseal.model.attention import AttentionMeta, PrefillSpan
 from kvseal.model.llama import LlamaModel
@@ -38,7 +38,7 @@ class ModelRunner:
         """Seal 5: every page in the table is the sequence's own, or a cached page it holds under its own tenant
         key; and the pages this step writes (positions num_computed..+n) are its own: cached pages are read-only."""
         ps = self.pool.page_size
-        written = seq.pages[seq.num_computed // ps : -(-(seq.num_computed + n) // ps)]
+        written = seq.pages[seq.num_computed // ps : pages_for(seq.num_computed + n, ps)]
         return self.allocator.may_read(seq.owner, seq.cache_ns, seq.pages) and self.allocator.owns(seq.owner, written)
 
     def run(self, batch: Batch, all_logits: bool = False) -> StepResult:
@@ -68,7 +68,7 @@ class ModelRunner:
             if n == 1:
                 decode.append((row0, seq, end))
             else:
-                npages = -(-end // ps)
+                npages = pages_for(end, ps)
                 pages = torch.tensor(seq.pages[:npages], dtype=torch.long)
                 mask = None
                 if start > 0:  # a later chunk: queries at start..end-1 see keys 0..their own position
@@ -85,8 +85,8 @@ class ModelRunner:
             decode_rows=None, decode_pages=None, decode_mask=None, decode_kv_lens=None, prefills=prefills,
         )
         if decode:
-            max_pages = max(-(-kv // ps) for _, _, kv in decode)
-            table = [s.pages[: -(-kv // ps)] for _, s, kv in decode]
+            max_pages = max(pages_for(kv, ps) for _, _, kv in decode)
+            table = [s.pages[: pages_for(kv, ps)] for _, s, kv in decode]
             # pad each row with its own last page: a padded slot is masked out and never another request's
             padded = [t + [t[-1]] * (max_pages - len(t)) for t in table]
             kv_lens = torch.tensor([kv for _, _, kv in decode])
@@ -122,7 +122,7 @@ class ModelRunner:
         sampled: list[Sequence] = []
         for seq, n in seqs:
             start, end = seq.num_computed, seq.num_computed + n
-            npages = -(-end // ps)
+            npages = pages_for(end, ps)
             spans += (len(ids), n, start, len(tables), npages)
             tables += seq.pages[:npages]
             ids += seq.token_slice(start, end)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from kvseal.config import SchedulerConfig
 from kvseal.engine.sequence import Sequence
-from kvseal.kv.allocator import OutOfPages, PageAllocator
+from kvseal.kv.allocator import OutOfPages, PageAllocator, pages_for
 from kvseal.kv.prefix_cache import PrefixCache
 
 
@@ -132,7 +132,7 @@ class Scheduler:
         return seq.num_computed
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        need = -(-num_tokens // self.page_size) - len(seq.pages)
+        need = pages_for(num_tokens, self.page_size) - len(seq.pages)
         if need <= 0:
             return True
         try:

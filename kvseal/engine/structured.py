@@ -10,6 +10,7 @@ matcher. xgrammar is imported on the first constrained request, so a server that
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -54,8 +55,9 @@ class Grammars:
             try:
                 return compiler.compile_json_schema(fmt.schema, any_whitespace=False)
             except Exception as exc:  # noqa: BLE001 (xgrammar's errors are untyped; a peer's schema is untrusted)
+                why = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc)).strip()  # less xgrammar's source line
                 raise InvalidRequest(f"response_format.json_schema.schema is not a JSON schema kvseal can "
-                                     f"enforce: {exc}", param="response_format.json_schema.schema") from None
+                                     f"enforce: {why}", param="response_format.json_schema.schema") from None
         raise InvalidRequest(f"response_format type {fmt.type!r} needs " +
                              ("a schema" if fmt.type == "json_schema" else "one of json_object or json_schema"),
                              param="response_format")

@@ -24,6 +24,11 @@ FREE = -1
 CACHED = -2  # the page belongs to the prefix cache (shared read-only by the requests that hold it)
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold num_tokens tokens: ceil(num_tokens / page_size)."""
+    return -(-num_tokens // page_size)
+
+
 class Owner(NamedTuple):
     key: int  # a request's numeric key, unique per allocator lifetime
     epoch: int

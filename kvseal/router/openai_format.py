@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvseal.engine.messages import TokenLogprob
@@ -42,6 +43,16 @@ def completion_logprobs(tokenizer: Tokenizer, lps: list[TokenLogprob], offset: i
     }
 
 
+@dataclass
+class Choice:
+    """One sample's whole answer."""
+
+    text: str
+    finish: str
+    logprobs: dict[str, Any] | None
+    token_ids: list[int]
+
+
 class ResponseBuilder:
     """Builds the objects of one response; `chat` selects chat.completion vs text_completion shapes."""
 
@@ -52,22 +63,24 @@ class ResponseBuilder:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish: str, logprobs: dict[str, Any] | None, use: dict[str, Any],
-              ids: list[int]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice |= {"logprobs": logprobs, "finish_reason": finish}
-        if self.token_ids:
-            choice["token_ids"] = ids
+    def whole(self, choices: list[Choice], use: dict[str, Any]) -> dict[str, Any]:
+        out = []
+        for i, c in enumerate(choices):
+            choice: dict[str, Any] = {"index": i}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            choice |= {"logprobs": c.logprobs, "finish_reason": c.finish}
+            if self.token_ids:
+                choice["token_ids"] = c.token_ids
+            out.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._base(obj), "choices": [choice], "usage": use}
+        return {**self._base(obj), "choices": out, "usage": use}
 
     def chunk(self, text: str | None, finish: str | None, logprobs: dict[str, Any] | None,
-              role: bool = False, token_ids: list[int] | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+              role: bool = False, token_ids: list[int] | None = None, index: int = 0) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             delta: dict[str, Any] = {}
             if role:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _MAX_STOPS = 16
+MAX_N = 16  # samples per request (each is a request of its own on the workers)
 _I32 = 2**31 - 1  # integers travel between processes as msgpack int64: bound them at the door
 
 
@@ -76,7 +77,7 @@ class _SamplingFields(Strict):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=_I32)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

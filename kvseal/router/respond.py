@@ -1,14 +1,17 @@
-"""Deltas -> the HTTP answer: a whole JSON response or an SSE stream. Never a 200 for a request that did not
-complete: a whole response is sent only after the final delta said FINISHED; a stream starts only after the
-first delta arrived, and a later failure (or a backend that stops without a final delta) ends it with an error
-event and no [DONE]. A client that leaves aborts the request on every worker it reached.
+"""Deltas -> the HTTP answer: a whole JSON response or an SSE stream, for one sample or n (router/fanout.py).
+
+Never a 200 for a request that did not complete: a whole response is sent only after every sample's final delta
+said FINISHED; a stream starts only after the first delta arrived, and a later failure of any sample (or a
+backend that stops without a final delta) ends it with an error event and no [DONE]. A client that leaves, or a
+sample that fails, aborts every sample still running on every worker it reached.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -17,11 +20,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvseal.engine.messages import GenerateDelta, TokenLogprob
 from kvseal.errors import InternalError, KvsealError, RequestAborted
 from kvseal.model.tokenizer import Tokenizer
+from kvseal.router.fanout import Fanout
 from kvseal.router.http_errors import failed
-from kvseal.router.openai_format import ResponseBuilder, chat_logprobs, completion_logprobs, usage
+from kvseal.router.openai_format import Choice, ResponseBuilder, chat_logprobs, completion_logprobs, usage
 from kvseal.router.requestlog import trace_of
 
-Deltas = AsyncGenerator[GenerateDelta, None]
+INCOMPLETE = "the backend ended a request without an outcome"
 
 
 def format_lps(tok: Tokenizer, lps: list[TokenLogprob] | None, chat: bool, offset: int) -> dict[str, Any] | None:
@@ -30,8 +34,13 @@ def format_lps(tok: Tokenizer, lps: list[TokenLogprob] | None, chat: bool, offse
     return chat_logprobs(tok, lps) if chat else completion_logprobs(tok, lps, offset)
 
 
-async def until_done(request: Request, task: asyncio.Future[Any], gen: Deltas) -> bool:
-    """Wait for task; False (task cancelled, request aborted, pages freed) when the client left first.
+def usage_of(finals: list[GenerateDelta]) -> dict[str, Any]:
+    """finals: each sample's final delta, in sample order. The prompt counted once (and its cache hits: sample 0's, which computed it), completions summed."""
+    return usage(finals[0].prompt_tokens, sum(d.completion_tokens for d in finals), finals[0].cached_tokens)
+
+
+async def until_done(request: Request, task: asyncio.Future[Any], fan: Fanout) -> bool:
+    """Wait for task; False (task cancelled, every sample aborted, pages freed) when the client left first.
     A request queued for pages waits here too: a client that leaves frees everything it held."""
     try:
         while not task.done():
@@ -39,7 +48,7 @@ async def until_done(request: Request, task: asyncio.Future[Any], gen: Deltas) -
             if not task.done() and await request.is_disconnected():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                await gen.aclose()  # aborts the request on every worker it reached
+                await fan.aclose()  # aborts the samples on every worker they reached
                 return False
     finally:
         if not task.done():
@@ -47,79 +56,104 @@ async def until_done(request: Request, task: asyncio.Future[Any], gen: Deltas) -
     return True
 
 
-async def whole(request: Request, tok: Tokenizer, gen: Deltas, builder: ResponseBuilder,
-                chat: bool) -> JSONResponse:
-    ids: list[int] = []
+@dataclass
+class _Sample:
+    parts: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    lps: list[TokenLogprob] | None = None
+    final: GenerateDelta | None = None
 
-    async def collect() -> tuple[str, list[TokenLogprob] | None, GenerateDelta]:
-        parts: list[str] = []
-        lps: list[TokenLogprob] | None = None
-        async for d in gen:
-            parts.append(d.text)
-            ids.extend(d.token_ids)
+
+async def whole(request: Request, tok: Tokenizer, fan: Fanout, builder: ResponseBuilder,
+                chat: bool) -> JSONResponse:
+    samples = [_Sample() for _ in range(fan.n)]
+
+    async def collect() -> GenerateDelta | None:
+        """None when every sample finished; else the first final delta with an error."""
+        left = fan.n
+        while left:
+            i, d = await fan.next()
+            if d is None:
+                raise InternalError(INCOMPLETE)
+            s = samples[i]
+            s.parts.append(d.text)
+            s.ids.extend(d.token_ids)
             if d.logprobs is not None:
-                lps = (lps or []) + d.logprobs
+                s.lps = (s.lps or []) + d.logprobs
             if d.final is not None:
-                return "".join(parts), lps, d
-        raise InternalError("the backend ended a request without an outcome")
+                if d.error is not None:
+                    return d
+                s.final, left = d, left - 1
+        return None
 
     task = asyncio.ensure_future(collect())
-    if not await until_done(request, task, gen):
-        return failed(request, RequestAborted("client disconnected"))
-    text, lps, last = task.result()
-    if last.error is not None:
-        return failed(request, KvsealError.from_info(last.error), last)
-    use = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
-    return JSONResponse(builder.whole(text, last.final or "stop", format_lps(tok, lps, chat, 0), use, ids))
+    try:
+        if not await until_done(request, task, fan):
+            return failed(request, RequestAborted("client disconnected"))
+        bad = task.result()
+    finally:
+        await fan.aclose()  # the other samples of a failed request end too
+    if bad is not None:
+        assert bad.error is not None
+        return failed(request, KvsealError.from_info(bad.error), bad)
+    finals = [s.final for s in samples if s.final is not None]
+    choices = [Choice("".join(s.parts), f.final or "stop", format_lps(tok, s.lps, chat, 0), s.ids)
+               for s, f in zip(samples, finals)]
+    return JSONResponse(builder.whole(choices, usage_of(finals)))
 
 
-async def stream(request: Request, tok: Tokenizer, gen: Deltas, builder: ResponseBuilder, include_usage: bool,
+async def stream(request: Request, tok: Tokenizer, fan: Fanout, builder: ResponseBuilder, include_usage: bool,
                  chat: bool) -> Any:
     # Wait for the first delta before committing to a 200: an error that comes first is a real status.
-    first_task = asyncio.ensure_future(gen.__anext__())
-    if not await until_done(request, first_task, gen):
+    first_task = asyncio.ensure_future(fan.next())
+    if not await until_done(request, first_task, fan):
         return failed(request, RequestAborted("client disconnected"))
-    try:
-        first = first_task.result()
-    except StopAsyncIteration:
-        return failed(request, InternalError("the backend ended a request without an outcome"))
-    if first.final is not None and first.error is not None:
-        await gen.aclose()
-        return failed(request, KvsealError.from_info(first.error), first)
+    first = first_task.result()
+    if first[1] is None:
+        await fan.aclose()
+        return failed(request, InternalError(INCOMPLETE))
+    if first[1].final is not None and first[1].error is not None:
+        await fan.aclose()
+        return failed(request, KvsealError.from_info(first[1].error), first[1])
     trace = trace_of(request.scope)
 
     async def events() -> AsyncIterator[str]:
-        offset = 0
-        d: GenerateDelta | None = first
+        offsets = [0] * fan.n
+        finals: dict[int, GenerateDelta] = {}
+        i, d = first
         try:
             if chat:
-                yield _sse(builder.chunk("", None, None, role=True))
-            while d is not None:
+                for j in range(fan.n):
+                    yield _sse(builder.chunk("", None, None, role=True, index=j))
+            while True:
+                if d is None:  # a backend stopped without a final delta: the answer is incomplete, never clean
+                    err: KvsealError = InternalError("the backend ended the stream without an outcome; the "
+                                                     "answer is "
+                                        "incomplete")
+                    trace.failed(err.code, err.message, None, None)
+                    trace.stream_error = True
+                    yield _sse(err.to_openai())
+                    return
                 if d.error is not None:
                     err = KvsealError.from_info(d.error)
                     trace.failed(err.code, err.message, d.stage, d.worker)
                     trace.stream_error = True
                     yield _sse(err.to_openai())
                     return
-                finish = d.final
-                if d.text or d.logprobs or finish:
-                    yield _sse(builder.chunk(d.text, finish, format_lps(tok, d.logprobs, chat, offset),
-                                             token_ids=d.token_ids))
-                    offset += len(d.text)
-                if finish is not None:
-                    if include_usage:
-                        yield _sse(builder.usage_chunk(usage(d.prompt_tokens, d.completion_tokens,
-                                                             d.cached_tokens)))
-                    yield "data: [DONE]\n\n"
-                    return
-                d = await anext(gen, None)
-            # the backend stopped without a final delta: the answer is incomplete, never a clean end
-            err = InternalError("the backend ended the stream without an outcome; the answer is incomplete")
-            trace.failed(err.code, err.message, None, None)
-            trace.stream_error = True
-            yield _sse(err.to_openai())
+                if d.text or d.logprobs or d.final:
+                    yield _sse(builder.chunk(d.text, d.final, format_lps(tok, d.logprobs, chat, offsets[i]),
+                                             token_ids=d.token_ids, index=i))
+                    offsets[i] += len(d.text)
+                if d.final is not None:
+                    finals[i] = d
+                    if len(finals) == fan.n:
+                        if include_usage:
+                            yield _sse(builder.usage_chunk(usage_of([finals[j] for j in range(fan.n)])))
+                        yield "data: [DONE]\n\n"
+                        return
+                i, d = await fan.next()
         finally:
-            await gen.aclose()  # a disconnect cancels this generator: the request is aborted
+            await fan.aclose()  # a disconnect cancels this generator: every sample is aborted
 
     return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -26,6 +26,7 @@ import msgspec
 import torch
 
 from kvseal.errors import TransferVerificationFailed
+from kvseal.kv.allocator import pages_for
 
 try:
     import xxhash
@@ -132,10 +133,6 @@ def new_reservation_id() -> str:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
 
 
 def page_nbytes(pool: torch.Tensor) -> int:

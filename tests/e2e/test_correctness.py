@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
+from kvseal import LLM, SamplingParams
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.loader import default_model_path
 
@@ -71,18 +71,10 @@ def _engine(ck: Checkpoint, kernels: str, budget: int = 256) -> Engine:
 
 
 def _run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(GenerateRequest(f"r{i}", ids, params))
-    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    finals: dict[str, str] = {}
-    while engine.has_work():
-        for d in engine.step():
-            got[d.request_id].extend(d.token_ids)
-            if d.final:
-                finals[d.request_id] = d.final
-    assert finals == {k: "length" for k in got}
-    return [got[f"r{i}"] for i in range(len(prompts))]
+    outs = LLM.from_engine(engine).generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                                    ignore_eos=True))
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * len(prompts)
+    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("kernels", ["torch", "native"])

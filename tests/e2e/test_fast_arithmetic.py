@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvseal import llm as api
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
@@ -33,16 +34,11 @@ def _engine(ck: Checkpoint, budget: int = 512, kv_dtype: str = "auto", arithmeti
 
 
 def _run(e: Engine, prompts: list[list[int]], new: int = 24) -> list[list[int]]:
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        e.add_request(GenerateRequest(f"r{i}", ids, params))
-    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while e.has_work():
-        for d in e.step():
-            got[d.request_id].extend(d.token_ids)
+    outs = api.LLM.from_engine(e).generate(prompts, api.SamplingParams(max_tokens=new, temperature=0.0,
+                                                                       ignore_eos=True))
     e.allocator.check_integrity()
     assert e.allocator.num_free == e.pool.num_pages
-    return [got[f"r{i}"] for i in range(len(prompts))]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def _chats(ck: Checkpoint, *questions: str) -> list[list[int]]:

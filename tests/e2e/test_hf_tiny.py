@@ -8,9 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
+from kvseal import LLM, SamplingParams
 from kvseal.model.loader import load_checkpoint
 from tests.helpers.tiny_models import make_tiny_llama
 
@@ -40,15 +38,8 @@ def test_engine_equals_transformers_on_tiny_hf_models(tmp_path: Path, family: st
     prompts = [torch.randint(3, ck.arch.vocab_size, (n,), generator=g).tolist() for n in (5, 37, 90)]
     expected = _hf_greedy(folder, prompts)
     assert len({t for seq in expected for t in seq}) > 1  # a real continuation, not one repeated token
-    engine = Engine(EngineConfig(model=ModelConfig(kernels=kernels, arithmetic="exact"),
-                                 cache=CacheConfig(page_size=8, pool_tokens=1024),
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=32)), ck)
-    assert engine.kernels == kernels
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(GenerateRequest(str(i), ids, params))
-    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for d in engine.step():
-            got[d.request_id].extend(d.token_ids)
-    assert [got[str(i)] for i in range(len(prompts))] == expected
+    llm = LLM(checkpoint=ck, kernels=kernels, arithmetic="exact", page_size=8, pool_tokens=1024,
+              max_num_batched_tokens=32)
+    assert llm.engine.kernels == kernels
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -75,7 +77,7 @@ def test_errors_are_openai_shaped(server: Server, client: openai.OpenAI) -> None
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=9)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=17)
     r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
@@ -170,3 +172,81 @@ def test_version(server: Server) -> None:
     import kvseal
 
     assert httpx.get(server.url + "/version", timeout=30).json() == {"version": kvseal.__version__}
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "colors": {"type": "array", "items": {"type": "string"},
+                                                      "minItems": 1, "maxItems": 3}},
+          "required": ["name", "age", "colors"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_is_valid_json_for_the_schema(client: openai.OpenAI) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=120, response_format=fmt,
+                                       messages=[{"role": "user", "content": "Describe a person."}])
+    assert r.choices[0].finish_reason == "stop"
+    person = json.loads(r.choices[0].message.content)
+    assert list(person) == ["name", "age", "colors"]  # the schema's order, nothing else
+    assert isinstance(person["name"], str) and isinstance(person["age"], int)
+    assert 1 <= len(person["colors"]) <= 3 and all(isinstance(c, str) for c in person["colors"])
+    free = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=30,
+                                          messages=[{"role": "user", "content": "Describe a person."}])
+    with pytest.raises(json.JSONDecodeError):  # the same prompt without the format: prose, not JSON
+        json.loads(free.choices[0].message.content)
+    streamed = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=120, response_format=fmt,
+                                              messages=[{"role": "user", "content": "Describe a person."}],
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == r.choices[0].message.content
+
+
+def test_response_format_json_object(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="A JSON object about Paris:", temperature=0, max_tokens=80,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].text), dict)
+
+
+@pytest.mark.parametrize(("fmt", "param"), [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5,
+                                                                      "maximum": 1}}},
+     "response_format.json_schema.schema"),
+    ({"type": "json_schema"}, "response_format"),
+    ({"type": "grammar", "grammar": "root ::= x"}, "response_format.type"),
+])
+def test_response_format_that_cannot_be_enforced_is_a_400(client: openai.OpenAI, fmt: dict[str, object],
+                                                          param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       response_format=fmt)  # type: ignore[arg-type]
+    assert e.value.param == param, e.value.message
+
+
+def _cache_hits(server: Server) -> int:
+    info = httpx.get(server.url + "/info", timeout=30).json()
+    return sum(w["prefix_cache_hit_tokens"] for w in (info["workers"] if info["role"] == "router" else [info])
+               if w["role"] != "decode")
+
+
+def test_n_samples_share_the_prompt_pages_and_keep_their_own_seeds(server: Server, client: openai.OpenAI) -> None:
+    prompt = f"Request {uuid.uuid4().hex}: " + "tell me a story about a cat and a dog. " * 5
+    before = _cache_hits(server)
+    r = client.completions.create(model=MODEL, prompt=prompt, n=3, temperature=1.0, seed=11, max_tokens=8,
+                                  extra_body={"ignore_eos": True})
+    prompt_tokens = r.usage.prompt_tokens
+    # samples 1 and 2 started once sample 0 had computed (and cached) the prompt: every full page but the
+    # one holding the last prompt token came from the cache, for each of them
+    assert _cache_hits(server) - before == 2 * ((prompt_tokens - 1) // 16 * 16)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 24
+    texts = [c.text for c in r.choices]
+    assert len(set(texts)) == 3  # three seed streams
+    again = client.completions.create(model=MODEL, prompt=prompt, n=3, temperature=1.0, seed=11, max_tokens=8,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == texts  # the same seed, the same samples
+    one = client.completions.create(model=MODEL, prompt=prompt, temperature=1.0, seed=11, max_tokens=8,
+                                    extra_body={"ignore_eos": True})
+    assert one.choices[0].text == texts[0]  # sample 0 keeps the request's seed
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, n=3, temperature=1.0, seed=11,
+                                            max_tokens=8, stream=True, extra_body={"ignore_eos": True}))
+    by_index = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)]
+    assert by_index == texts
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1, 2]
+    wait_until(lambda: _all_pages_free(server), 20, "pages free after n samples")

@@ -1,25 +1,35 @@
 """A prefill worker, a decode worker and a router on loopback: the fleet most integration tests start once per
-module (start-up costs seconds of CPU per worker; tests share it and leave it at baseline)."""
+module (start-up costs seconds of CPU per worker; tests share it and leave it at baseline).
+
+A module subclasses LoopbackFleet with its flags and takes its fixture from here: `fleet = module_fleet(Fleet)`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from tests.helpers.procs import Proc, Server, Worker
+import openai
+import pytest
+
+from tests.helpers.procs import FaultFile, Proc, Server, Worker
 
 F = TypeVar("F", bound="LoopbackFleet")
 
 
 class LoopbackFleet:
     def __init__(self, args: list[str], prefill: list[str] | None = None, decode: list[str] | None = None,
-                 router: list[str] | None = None) -> None:
-        self.prefill = Worker("prefill", [*args, *(prefill or [])]).ready()
-        self.decode = Worker("decode", [*args, *(decode or [])]).ready()
+                 router: list[str] | None = None, faults: bool = False) -> None:
+        # with faults: the whole fleet runs with the same (runtime-changeable) test faults, `self.faults.set`
+        self.faults = FaultFile() if faults else None
+        shared = self.faults.args() if self.faults else []
+        self.prefill = Worker("prefill", [*args, *(prefill or []), *shared]).ready()
+        self.decode = Worker("decode", [*args, *(decode or []), *shared]).ready()
         self.extra: list[Proc] = []  # more processes the tests started; stopped with the fleet
         self.router = Server(["--prefill", self.prefill.endpoint, "--decode", self.decode_endpoint(),
-                              *(router or [])], command="router").ready()
+                              *(router or []), *shared], command="router").ready()
+        self.client = openai.OpenAI(base_url=self.router.url + "/v1", api_key="x", max_retries=0, timeout=300)
 
     def decode_endpoint(self) -> str:
         """Where the router reaches the decode worker (a subclass may put something in between)."""
@@ -34,12 +44,25 @@ class LoopbackFleet:
     def stop(self) -> None:
         for proc in (self.router, self.prefill, self.decode, *self.extra):
             proc.stop()
+        if self.faults is not None:
+            self.faults.remove()
 
 
 @contextmanager
-def running(make: type[F]) -> Iterator[F]:
+def running(make: Callable[[], F]) -> Iterator[F]:
     fleet = make()
     try:
         yield fleet
     finally:
         fleet.stop()
+
+
+def module_fleet(make: Callable[[], F]) -> Any:
+    """The module-scoped `fleet` fixture: one fleet for the module's tests, stopped after the last."""
+
+    @pytest.fixture(scope="module")
+    def fleet() -> Iterator[F]:
+        with running(make) as f:
+            yield f
+
+    return fleet

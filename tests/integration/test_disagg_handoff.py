@@ -4,54 +4,30 @@ output of the disaggregated path equals the unified engine token for token (seal
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
-from kvseal.config import CacheConfig, EngineConfig, ModelConfig
-from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
+from kvseal import LLM, SamplingParams
 from kvseal.model.checkpoint import Checkpoint
-from tests.helpers.procs import FaultFile, Server, Worker, wait_until
+from tests.helpers.fleet import LoopbackFleet, module_fleet
+from tests.helpers.procs import FaultFile, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 MODEL = "SmolLM2-135M-Instruct"
 ARGS = ["--max-model-len", "2048", "--kv-pool-tokens", "4096", "--max-num-batched-tokens", "128"]
 
 
-class Fleet:
+class Fleet(LoopbackFleet):
+    faults: FaultFile
+
     def __init__(self) -> None:
-        self.faults = FaultFile()  # the whole fleet runs with the same (runtime-changeable) test faults
-        self.prefill = Worker("prefill", [*ARGS, *self.faults.args()])
-        self.decode = Worker("decode", [*ARGS, *self.faults.args()])
-        self.prefill.ready()
-        self.decode.ready()
-        self.router = Server(["--prefill", self.prefill.endpoint, "--decode", self.decode.endpoint,
-                              *self.faults.args()], command="router").ready()
-        self.client = openai.OpenAI(base_url=self.router.url + "/v1", api_key="x", max_retries=0, timeout=300)
-
-    def at_baseline(self) -> bool:
-        p, d = self.prefill.info(), self.decode.info()
-        return (p["free_pages"] == p["pool_pages"] and d["free_pages"] == d["pool_pages"]
-                and d["reservations"] == 0 and p["running"] == p["waiting"] == 0
-                and d["running"] == d["waiting"] == 0)
-
-    def stop(self) -> None:
-        for proc in (self.router, self.prefill, self.decode):
-            proc.stop()
-        self.faults.remove()
+        super().__init__(ARGS, faults=True)
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
-    f = Fleet()
-    try:
-        yield f
-    finally:
-        f.stop()
+fleet = module_fleet(Fleet)
 
 
 @pytest.mark.parametrize("fault", ["short_pages", "short_tokens", "wrong_nonce", "wrong_request_id", "flip_byte"])
@@ -106,14 +82,9 @@ def _prompts(ck: Checkpoint) -> list[list[int]]:
 def test_disaggregated_equals_unified_token_for_token(fleet: Fleet, smol: Checkpoint) -> None:
     prompts = _prompts(smol)
     assert max(len(p) for p in prompts) > 300  # several prefill chunks
-    engine = Engine(EngineConfig(model=ModelConfig(max_model_len=2048), cache=CacheConfig(pool_tokens=4096)), smol)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(GenerateRequest(str(i), ids, params))
-    ref: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for d in engine.step():
-            ref[d.request_id].extend(d.token_ids)
+    unified = LLM(checkpoint=smol, max_model_len=2048, pool_tokens=4096)
+    ref = [o.outputs[0].token_ids for o in unified.generate(prompts, SamplingParams(max_tokens=24, temperature=0,
+                                                                                     ignore_eos=True))]
 
     def disagg(ids: list[int]) -> list[int]:
         r = httpx.post(fleet.router.url + "/v1/completions", timeout=300, json={
@@ -125,7 +96,7 @@ def test_disaggregated_equals_unified_token_for_token(fleet: Fleet, smol: Checkp
     alone = [disagg(ids) for ids in prompts]
     with ThreadPoolExecutor(len(prompts) * 2) as pool:
         together = list(pool.map(disagg, prompts * 2))
-    expected = [ref[str(i)] for i in range(len(prompts))]
+    expected = ref
     assert alone == expected
     assert together == expected * 2
     wait_until(fleet.at_baseline, 30, "pools back to baseline")

@@ -7,26 +7,25 @@ answer, and every pool returns to baseline (seal 8)."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.helpers.procs import FaultFile, Server, Worker, wait_until
+from tests.helpers.fleet import LoopbackFleet, module_fleet
+from tests.helpers.procs import FaultFile, Worker, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 MODEL = "SmolLM2-135M-Instruct"
 ARGS = ["--max-model-len", "1024", "--kv-pool-tokens", "2048"]
 
 
-class Fleet:
+class Fleet(LoopbackFleet):
+    faults: FaultFile
+
     def __init__(self) -> None:
-        self.faults = FaultFile()
-        self.prefill = Worker("prefill", [*ARGS, "--transfer-timeout", "10", *self.faults.args()]).ready()
-        self.decode = Worker("decode", [*ARGS, "--reservation-timeout", "30", *self.faults.args()]).ready()
-        self.router = Server(["--prefill", self.prefill.endpoint, "--decode", self.decode.endpoint,
-                              *self.faults.args()], command="router").ready()
+        super().__init__(ARGS, prefill=["--transfer-timeout", "10"], decode=["--reservation-timeout", "30"],
+                         faults=True)
 
     def restart(self, role: str) -> None:
         old = self.prefill if role == "prefill" else self.decode
@@ -44,28 +43,15 @@ class Fleet:
 
     def at_baseline(self) -> bool:
         try:
-            p, d = self.prefill.info(), self.decode.info()
+            return super().at_baseline()
         except Exception:  # noqa: BLE001 - a worker still starting
             return False
-        return (p["free_pages"] == p["pool_pages"] and d["free_pages"] == d["pool_pages"]
-                and d["reservations"] == 0 and p["running"] == d["running"] == 0)
 
     def router_live(self) -> bool:
         return all(w["alive"] for w in httpx.get(self.router.url + "/info").json()["workers"])
 
-    def stop(self) -> None:
-        for proc in (self.router, self.prefill, self.decode):
-            proc.stop()
-        self.faults.remove()
 
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
-    f = Fleet()
-    try:
-        yield f
-    finally:
-        f.stop()
+fleet = module_fleet(Fleet)
 
 
 def _error_shape(body: dict) -> None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
-from tests.helpers.fleet import LoopbackFleet, running
+from tests.helpers.fleet import LoopbackFleet, module_fleet
 from tests.helpers.procs import Worker, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
@@ -41,10 +40,7 @@ class Fleet(LoopbackFleet):
         return [w for w in httpx.get(self.router.url + "/info", timeout=10).json()["workers"] if w["role"] == role]
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
-    with running(Fleet) as f:
-        yield f
+fleet = module_fleet(Fleet)
 
 
 def test_a_restarted_worker_with_a_small_pool_stays_out_loudly(fleet: Fleet) -> None:

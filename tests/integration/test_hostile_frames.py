@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -25,7 +24,7 @@ from kvseal.errors import ErrorInfo
 from kvseal.transfer.manifest import KVManifest, PagePayload, Reservation, build_manifest
 from kvseal.transfer.zmq import TransferHeader, TransferReply
 from kvseal.worker import protocol as P
-from tests.helpers.fleet import LoopbackFleet, running
+from tests.helpers.fleet import LoopbackFleet, module_fleet
 from tests.helpers.procs import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
@@ -114,10 +113,7 @@ class Fleet(LoopbackFleet):
         super().stop()
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
-    with running(Fleet) as f:
-        yield f
+fleet = module_fleet(Fleet)
 
 
 # -- strategies ----------------------------------------------------------------------------------------------

@@ -4,48 +4,29 @@ token (seal 10), and freed pages are zeroed (seal 6)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import openai
 import pytest
 
-from kvseal.config import CacheConfig, EngineConfig, ModelConfig
-from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
+from kvseal import LLM, SamplingParams
+from kvseal.kv.allocator import pages_for
 from kvseal.model.checkpoint import Checkpoint
-from tests.helpers.procs import FaultFile, Server, Worker, wait_until
+from tests.helpers.fleet import LoopbackFleet, module_fleet
+from tests.helpers.procs import FaultFile, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 MODEL = "SmolLM2-135M-Instruct"
 ARGS = ["--max-model-len", "1024", "--kv-pool-tokens", "2048", "--kv-dtype", "bfloat16"]
 
 
-class Fleet:
+class Fleet(LoopbackFleet):
+    faults: FaultFile
+
     def __init__(self) -> None:
-        self.faults = FaultFile()
-        self.prefill = Worker("prefill", [*ARGS, *self.faults.args()]).ready()
-        self.decode = Worker("decode", [*ARGS, *self.faults.args()]).ready()
-        self.router = Server(["--prefill", self.prefill.endpoint, "--decode", self.decode.endpoint,
-                              *self.faults.args()], command="router").ready()
-
-    def at_baseline(self) -> bool:
-        p, d = self.prefill.info(), self.decode.info()
-        return p["free_pages"] == p["pool_pages"] and d["free_pages"] == d["pool_pages"] and d["reservations"] == 0
-
-    def stop(self) -> None:
-        for proc in (self.router, self.prefill, self.decode):
-            proc.stop()
-        self.faults.remove()
+        super().__init__(ARGS, faults=True)
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
-    f = Fleet()
-    try:
-        yield f
-    finally:
-        f.stop()
+fleet = module_fleet(Fleet)
 
 
 def _complete(fleet: Fleet, ids: list[int]) -> httpx.Response:
@@ -60,23 +41,17 @@ def test_bfloat16_handoff_equals_unified_and_moves_half_the_bytes(fleet: Fleet, 
     tok = smol.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
                for q in ("Write a haiku about the sea.", "Explain what a CPU cache is. " * 12)]
-    engine = Engine(EngineConfig(model=ModelConfig(max_model_len=1024),
-                                 cache=CacheConfig(pool_tokens=2048, kv_dtype="bfloat16")), smol)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(GenerateRequest(str(i), ids, params))
-    ref: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for d in engine.step():
-            ref[d.request_id].extend(d.token_ids)
+    unified = LLM(checkpoint=smol, max_model_len=1024, pool_tokens=2048, kv_dtype="bfloat16")
+    ref = [o.outputs[0].token_ids for o in unified.generate(prompts, SamplingParams(max_tokens=16, temperature=0,
+                                                                                     ignore_eos=True))]
     before = fleet.decode.info()["kv_bytes_received"]
     got = []
     for ids in prompts:
         r = _complete(fleet, ids)
         assert r.status_code == 200, r.text
         got.append(r.json()["choices"][0]["token_ids"])
-    assert got == [ref["0"], ref["1"]]
-    pages = sum(-(-len(p) // 16) for p in prompts)
+    assert got == ref
+    pages = sum(pages_for(len(p), 16) for p in prompts)
     moved = fleet.decode.info()["kv_bytes_received"] - before
     assert moved == pages * 16 * 30 * 2 * 3 * 64 * 2  # bfloat16: 2 bytes a value, every page of every layer
     wait_until(fleet.at_baseline, 30, "pools back to baseline")

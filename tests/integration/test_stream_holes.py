@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.helpers.fleet import LoopbackFleet, running
+from tests.helpers.fleet import LoopbackFleet, module_fleet
 from tests.helpers.lossy_link import LossyLink
 from tests.helpers.procs import wait_until
 
@@ -41,10 +40,7 @@ class Fleet(LoopbackFleet):
         self.link.close()
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
-    with running(Fleet) as f:
-        yield f
+fleet = module_fleet(Fleet)
 
 
 BODY = {"model": MODEL, "prompt": "Count from one to twenty:", "max_tokens": 12, "temperature": 0,

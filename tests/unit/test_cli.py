@@ -1,8 +1,15 @@
-"""`kvseal serve`'s worker settings: threads per role and the engine flags each worker is started with."""
+"""`kvseal serve`'s worker settings: threads per role and the WorkerSpec each worker is started with."""
 
 from __future__ import annotations
 
-from kvseal.cli import _without, build_parser, engine_argv, engine_config, worker_threads
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from kvseal.cli import build_parser, engine_config, worker_specs, worker_threads
+from kvseal.worker.run import WorkerSpec
 
 
 def test_threads_split_evenly_by_default_and_per_role_flags_win() -> None:
@@ -15,14 +22,21 @@ def test_threads_split_evenly_by_default_and_per_role_flags_win() -> None:
     assert worker_threads(p.parse_args(["serve", "--threads", "4", "--prefill-threads", "1"]), cores=2) == (1, 4)
 
 
-def test_workers_get_the_arithmetic_and_kv_dtype_flags() -> None:
-    a = build_parser().parse_args(["serve", "--arithmetic", "exact", "--kv-dtype", "bfloat16", "--threads", "2"])
-    argv = engine_argv(a)
-    assert argv[argv.index("--arithmetic") + 1] == "exact" and argv[argv.index("--kv-dtype") + 1] == "bfloat16"
-    assert "--threads" not in _without(argv, "--threads") and "2" not in _without(argv, "--threads")
-    worker = build_parser().parse_args(["decode", *argv])
-    cfg = engine_config(worker)
-    assert cfg.model.arithmetic == "exact" and cfg.cache.kv_dtype == "bfloat16"
+def test_workers_get_the_engine_config_as_one_message() -> None:
+    a = build_parser().parse_args(["serve", "--arithmetic", "exact", "--kv-dtype", "bfloat16", "--threads", "2",
+                                   "--kv-pool-tokens", "8192", "--prefill-kv-pool-tokens", "4096",
+                                   "--max-model-len", "1024", "--no-prefix-cache", "--test-faults", "no_scrub"])
+    prefill, decode = worker_specs(a, cores=2)
+    assert decode.engine == engine_config(a)  # the parent's frozen config as it is, nothing rebuilt
+    assert decode.engine.model.arithmetic == "exact" and decode.engine.cache.kv_dtype == "bfloat16"
+    assert not decode.engine.cache.prefix_cache and decode.engine.model.max_model_len == 1024
+    assert prefill.engine.cache.pool_tokens == 4096 and decode.engine.cache.pool_tokens == 8192
+    assert (prefill.role, decode.role, prefill.threads, decode.threads) == ("prefill", "decode", 2, 2)
+    assert prefill.test_faults == decode.test_faults == "no_scrub"
+    wire = msgspec.json.encode(decode)  # what launch.Fleet writes to the worker's stdin
+    assert msgspec.json.decode(wire, type=WorkerSpec) == decode
+    with pytest.raises(msgspec.ValidationError, match="page_size"):  # validated again on arrival
+        msgspec.json.decode(wire.replace(b'"page_size":16', b'"page_size":3'), type=WorkerSpec)
     assert engine_config(build_parser().parse_args(["prefill"])).model.arithmetic == "auto"
 
 
@@ -32,3 +46,9 @@ def test_kv_dtype_auto_is_bfloat16_under_the_fast_arithmetic_only() -> None:
     assert resolve_kv_dtype("auto", "float32", fast=True) == "bfloat16"
     assert resolve_kv_dtype("auto", "float32", fast=False) == "float32"  # exact keeps its float32 reference
     assert resolve_kv_dtype("float32", "float32", fast=True) == "float32"  # an explicit choice stands
+
+
+def test_a_worker_refuses_a_bad_start_message() -> None:
+    p = subprocess.run([sys.executable, "-m", "kvseal.worker.run"], input=b'{"role": "router"}',
+                       capture_output=True, timeout=60, check=False)
+    assert p.returncode == 2 and b"refusing its start message" in p.stderr

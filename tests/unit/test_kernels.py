@@ -23,6 +23,7 @@ from kvseal.kernels.ops import (
     packed_linear,
     paged_decode_attention,
 )
+from kvseal.kv.allocator import pages_for
 from kvseal.model.checkpoint import ModelArch
 
 
@@ -103,13 +104,13 @@ def test_packed_weight_validates_its_shape() -> None:
 def _attention_case(seed: int, b: int = 6, h: int = 6, kvh: int = 2, d: int = 16, s: int = 4, p: int = 64):
     g = torch.Generator().manual_seed(seed)
     kv_lens = torch.randint(1, 40, (b,), generator=g)
-    max_pages = int(-(-kv_lens.max() // s))
+    max_pages = pages_for(int(kv_lens.max()), s)
     perm = torch.randperm(p, generator=g)
     pages = perm[: b * max_pages].view(b, max_pages).clone()  # every sequence owns distinct pages
     k = torch.full((p, s, kvh, d), float("nan"))  # pages nobody reads stay NaN: one stray read poisons a row
     v = torch.full((p, s, kvh, d), float("nan"))
     for i in range(b):
-        for j in range(-(-int(kv_lens[i]) // s)):
+        for j in range(pages_for(int(kv_lens[i]), s)):
             k[pages[i, j]] = torch.randn(s, kvh, d, generator=g)
             v[pages[i, j]] = torch.randn(s, kvh, d, generator=g)
         tail = int(kv_lens[i]) % s

@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvseal.kv.allocator import IntegrityError, NotOwner, OutOfPages, Owner, PageAllocator
+from kvseal.kv.allocator import IntegrityError, NotOwner, OutOfPages, Owner, PageAllocator, pages_for
 from kvseal.kv.prefix_cache import PrefixCache, namespace_id, namespace_root, page_keys
 
 PS = 4
@@ -139,7 +139,7 @@ class CacheMachine(RuleBasedStateMachine):
         for p, k in zip(hit, keys):
             assert self.data[p] == _value(k), "a shared page does not hold its key's KV"
         try:
-            own = self.alloc.allocate(owner, -(-num_tokens // PS) - len(hit))
+            own = self.alloc.allocate(owner, pages_for(num_tokens, PS) - len(hit))
         except OutOfPages:
             self.cache.release(owner.key)
             return

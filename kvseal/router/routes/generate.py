@@ -1,6 +1,7 @@
 """/v1/chat/completions and /v1/completions: a validated body -> prompt ids and SamplingParams -> the backend.
 
-The window check happens here, before any worker sees the request (seal 3).
+The window check happens here, before any worker sees the request (seal 3). With n > 1 each sample is a
+request of its own, started by router/fanout.py so that the samples share the prompt's cached pages.
 """
 
 from __future__ import annotations
@@ -8,13 +9,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 
 from kvseal.engine.messages import GenerateRequest, ResponseFormat, SamplingParams
+from kvseal.engine.sampling import sample_seed
 from kvseal.engine.structured import response_format
 from kvseal.errors import ContextLengthExceeded, InvalidRequest
 from kvseal.router import respond
 from kvseal.router.backend import Backend
+from kvseal.router.fanout import Deltas, Fanout
 from kvseal.router.openai_format import ResponseBuilder
 from kvseal.router.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
 from kvseal.router.requestlog import trace_of
@@ -111,10 +115,16 @@ async def run(request: Request, body: ChatCompletionRequest | CompletionRequest,
         min_tokens=body.min_tokens,
     )
     rid = ("chatcmpl-" if chat else "cmpl-") + trace_of(request.scope).request_id
-    gen = backend.generate(GenerateRequest(rid, ids, params, tenant=tenant_of(request),
-                                           cache_salt=body.cache_salt))
+    tenant = tenant_of(request)
+
+    def start(i: int) -> Deltas:  # sample i of n: its own id and seed stream, the same prompt
+        sample = msgspec.structs.replace(params, seed=sample_seed(params.seed, i))
+        return backend.generate(GenerateRequest(rid if i == 0 else f"{rid}-{i}", ids, sample, tenant=tenant,
+                                                cache_salt=body.cache_salt))
+
+    fan = Fanout(start, body.n)
     builder = ResponseBuilder(rid, backend.model_name, chat, body.return_token_ids)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond.stream(request, backend.tokenizer, gen, builder, include_usage, chat)
-    return await respond.whole(request, backend.tokenizer, gen, builder, chat)
+        return await respond.stream(request, backend.tokenizer, fan, builder, include_usage, chat)
+    return await respond.whole(request, backend.tokenizer, fan, builder, chat)

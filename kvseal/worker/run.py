@@ -1,0 +1,94 @@
+"""A worker process from one typed message: `WorkerSpec` says everything it runs with (role, the frozen
+EngineConfig, sockets, threads, timeouts, test faults). `kvseal prefill|decode` builds it from its flags;
+`kvseal serve` (launch.Fleet) sends it as JSON on the worker's stdin to `python -m kvseal.worker.run`, so the
+parent's settings reach its workers as they are, never turned back into a command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+
+import msgspec
+
+from kvseal.config import EngineConfig
+
+SPEC_VERSION = 1
+
+
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    role: str  # "prefill" | "decode"
+    engine: EngineConfig
+    host: str = "127.0.0.1"  # the control socket
+    port: int = 0  # 0: any free port
+    kv_host: str | None = None  # decode: where KV arrives (default: host)
+    kv_port: int = 0
+    threads: int | None = None  # torch and kernel threads in this process (None: torch's default)
+    log_level: str = "info"
+    test_faults: str | None = None  # kvseal/faults.py; None in production
+    transfer_timeout_s: float = 60.0  # prefill: wait for decode's acknowledgement of a handoff
+    reservation_timeout_s: float = 120.0  # decode: a reservation waits this long for its KV
+    drain_timeout_s: float = 600.0
+    router: str | None = None  # join a running router at this fleet endpoint (tcp://HOST:PORT)
+    advertise_host: str | None = None  # the address the router should connect to (default: host)
+    metrics_port: int = 0  # Prometheus /metrics on host:this (0: any free port, -1: off)
+    v: int = SPEC_VERSION
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"invalid role={self.role!r}: use prefill or decode")
+        if self.v != SPEC_VERSION:
+            raise ValueError(f"worker spec v{self.v} is not v{SPEC_VERSION}: start the worker with the same kvseal")
+
+
+def run_worker(spec: WorkerSpec) -> int:
+    from kvseal.engine.disagg import DecodeEngine, PrefillEngine
+    from kvseal.faults import hooks_from_spec
+    from kvseal.worker.decode import DecodeWorker
+    from kvseal.worker.join import Registration
+    from kvseal.worker.prefill import PrefillWorker
+    from kvseal.worker.server import WorkerServer
+
+    if spec.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, spec.threads))
+    hooks = hooks_from_spec(spec.test_faults, f"kvseal {spec.role}")
+    cfg = spec.engine
+    scrub = hooks.scrub_pages(cfg.cache.scrub)
+    if scrub != cfg.cache.scrub:
+        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, scrub=scrub))
+    bind = f"tcp://{spec.host}:{spec.port}"
+    server: WorkerServer
+    if spec.role == "prefill":
+        server = PrefillWorker(PrefillEngine(cfg), bind, hooks, spec.transfer_timeout_s, spec.drain_timeout_s)
+    else:
+        server = DecodeWorker(DecodeEngine(cfg), bind, f"tcp://{spec.kv_host or spec.host}:{spec.kv_port}", hooks,
+                              spec.reservation_timeout_s, spec.drain_timeout_s)
+    if spec.metrics_port >= 0:
+        logging.getLogger("kvseal").info("metrics on %s", server.metrics.serve(spec.host, spec.metrics_port))
+    if spec.router:
+        port = server.endpoint.rsplit(":", 1)[1]
+        server.join = Registration(server.ctx, spec.router, spec.role,
+                                   f"tcp://{spec.advertise_host or spec.host}:{port}")
+    return server.run()
+
+
+def main() -> int:
+    """`python -m kvseal.worker.run` with a WorkerSpec as JSON on stdin (what launch.Fleet starts)."""
+    try:
+        spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+        print(f"kvseal worker: refusing its start message: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=spec.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run_worker(spec)
+    except ValueError as exc:  # configuration errors: name the field, the value and the fix
+        print(f"kvseal: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
