@@ -10,8 +10,8 @@ test: setup
 	bash scripts/test.sh
 
 lint:
-	.venv/bin/ruff check kvseal tests
+	.venv/bin/ruff check kvseal tests benchmarks
 	.venv/bin/mypy kvseal
 
 bench: setup
-	.venv/bin/python -m kvseal.bench.engine_vs_hf
+	.venv/bin/python -m benchmarks.engine_vs_hf

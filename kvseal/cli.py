@@ -46,7 +46,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "products on the best of AVX-512-VNNI, AVX-VNNI or AVX2 this CPU has (the same bits on "
                         "each; float checkpoints become Q8_0 blocks at load), attention reading KV in place; "
                         "batch invariant, about 0.5%% from float32 per product (agreement: python -m "
-                        "kvseal.bench.agreement). exact: float32 throughout, transformers' greedy tokens. "
+                        "benchmarks.agreement). exact: float32 throughout, transformers' greedy tokens. "
                         "auto (default): fast where it can run (native kernels, page size a multiple of 16), "
                         "else exact")
     p.add_argument("--max-model-len", type=int, default=None,

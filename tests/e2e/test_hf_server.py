@@ -1,4 +1,4 @@
-"""kvseal.bench.hf_server as a real process on loopback, driven by the official openai client: its greedy
+"""benchmarks.hf_server as a real process on loopback, driven by the official openai client: its greedy
 tokens equal transformers' own `generate` on the model transformers loads from the bundled GGUF."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import openai
 import pytest
 import torch
 
-from kvseal.bench.common import ManagedServer, free_port
-from kvseal.bench.systems import Settings, launch
+from benchmarks.common import ManagedServer, free_port
+from benchmarks.systems import Settings, launch
 from kvseal.model.loader import default_model_path
 from tests.helpers.bundled import transformers_gguf_model, transformers_gguf_tokenizer
 

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvseal.bench import baselines as bl
-from kvseal.bench import baselines_table as bt
-from kvseal.bench import cpu_record
-from kvseal.bench import hf_server as hs
-from kvseal.bench.systems import SYSTEMS, Settings, launch, long_variant, slot_ctx_for, unavailable
+from benchmarks import baselines as bl
+from benchmarks import baselines_table as bt
+from benchmarks import cpu_record
+from benchmarks import hf_server as hs
+from benchmarks.systems import SYSTEMS, Settings, launch, long_variant, slot_ctx_for, unavailable
 
 S = Settings(model_path="/m/SmolLM2.gguf", threads=None, peers_dir="/peers")
 
@@ -39,7 +39,7 @@ def test_kvseal_hf_and_llama_cpp_python_commands() -> None:
     assert _flag(dis, "--threads") == "2" and dis[4] == "/x.gguf"
 
     ll = launch("llama-cpp-python", 99, S)
-    assert ll.argv[1:3] == ("-m", "kvseal.bench.llamacpp_server") and ll.ready_path == "/v1/models"
+    assert ll.argv[1:3] == ("-m", "benchmarks.llamacpp_server") and ll.ready_path == "/v1/models"
     assert _flag(ll.argv, "--model") == "/m/SmolLM2.gguf" and _flag(ll.argv, "--n_ctx") == "8192"
     assert _flag(ll.argv, "--interrupt_requests") == "false" and _flag(ll.argv, "--logits_all") == "false"
     assert int(_flag(ll.argv, "--n_threads")) >= 1 and _flag(ll.argv, "--port") == "99"
@@ -47,7 +47,7 @@ def test_kvseal_hf_and_llama_cpp_python_commands() -> None:
     hf = launch("hf", 7, Settings(model_path="/m.gguf", dtype="bfloat16", max_batch=8))
     a = hs.parse_args(list(hf.argv[3:]))  # hf_server's own parser accepts exactly what baselines passes
     assert (a.port, a.dtype, a.max_batch, a.max_model_len, a.model) == (7, "bfloat16", 8, 8192, None)
-    assert hf.argv[1:3] == ("-m", "kvseal.bench.hf_server") and hf.ready_path == "/health"
+    assert hf.argv[1:3] == ("-m", "benchmarks.hf_server") and hf.ready_path == "/health"
 
     with pytest.raises(ValueError, match="unknown system"):
         launch("tgi", 1, S)
@@ -399,7 +399,7 @@ def _doc(tok: dict[str, float], ttft: dict[str, float], long_ms: dict[str, float
 
 
 def test_medians_over_runs_and_the_targets() -> None:
-    from kvseal.bench import baselines_median as bm
+    from benchmarks import baselines_median as bm
 
     runs = [_doc({"kvseal-disagg": t, "kvseal": 300.0, "vllm": 200.0, "llama-server": 100.0},
                  {"kvseal-disagg": 500.0, "kvseal": 400.0, "vllm": 900.0, "llama-server": 5000.0},

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from kvseal.bench import common
-from kvseal.bench import engine_vs_hf as bench
+from benchmarks import common
+from benchmarks import engine_vs_hf as bench
 
 
 def test_percentile_and_median() -> None:

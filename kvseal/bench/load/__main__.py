@@ -26,10 +26,10 @@ def _fail(message: str) -> int:
 
 async def _bench(cfg: BenchConfig) -> int:
     from kvseal.audit.runner import AuditSetupError, discover, make_client
-    from kvseal.bench.common import host_info
     from kvseal.bench.load import dataset, report
     from kvseal.bench.load.client import request_body, run_pass, send_one
     from kvseal.bench.load.metrics import RequestResult, error_counts, request_record, summarize
+    from kvseal.bench.load.stats import host_info
 
     for name in ("httpx", "httpcore"):  # `kvseal` logs at INFO; a line per request would drown the bar
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvseal.bench.common import percentile, request_latency
+from kvseal.bench.load.stats import percentile, request_latency
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
 

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvseal.bench.common import fmt_num, markdown_table
+from kvseal.bench.load.stats import fmt_num, markdown_table
 
 Pass = dict[str, Any]  # {"level": {...}, "metrics": {...}, "errors": {...}[, "requests": [...]]}
 

@@ -1,7 +1,7 @@
 """What the seals cost: the same workload with kvseal's runtime checks on and off, in one run.
 
-    python -m kvseal.bench.seal_cost                 # 32 requests x (128 prompt + 128 new), 5 interleaved repeats
-    python -m kvseal.bench.seal_cost --compare ledger   # the forensic ledger on vs off (both sealed)
+    python -m benchmarks.seal_cost                 # 32 requests x (128 prompt + 128 new), 5 interleaved repeats
+    python -m benchmarks.seal_cost --compare ledger   # the forensic ledger on vs off (both sealed)
 
 Measured in-process on one engine (no HTTP, so the checks are not hidden behind other overhead):
   engine   output tok/s of the whole workload with scrub (seal 6) and the per-step ownership check (seal 5) on,
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import machine_info
 from kvseal import llm as api
-from kvseal.bench.common import machine_info
 from kvseal.config import CacheConfig, EngineConfig, LedgerConfig, ModelConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
@@ -65,7 +65,7 @@ def handoff_share(engine: Engine, prompt: list[int]) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvseal.bench.seal_cost", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.seal_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)

@@ -1,6 +1,6 @@
 """This machine's limits for a decode step, measured with torch: the figures docs/benchmarks.md compares against.
 
-    python -m kvseal.bench.limits [--threads 2]
+    python -m benchmarks.limits [--threads 2]
 
 Streaming read bandwidth (sum of a 512 MB fp32 tensor), fp32 matrix-vector products over ~530 MB of weights
 in SmolLM2-135M's layer shape (what one decode stream reads per step), fp32 / bf16 GEMM rate, and every layer
@@ -30,7 +30,7 @@ def median_s(f: Callable[[], object], n: int = 7) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvseal.bench.limits", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.limits", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=None)
     a = p.parse_args(argv)

@@ -1,6 +1,6 @@
-"""Medians over several `kvseal.bench.baselines` runs, and the issue-8 targets as ratios within them.
+"""Medians over several `benchmarks.baselines` runs, and the issue-8 targets as ratios within them.
 
-    python -m kvseal.bench.baselines_median bench_out/run1 bench_out/run2 bench_out/run3
+    python -m benchmarks.baselines_median bench_out/run1 bench_out/run2 bench_out/run3
 
 Each DIR holds a run's baselines.json. For every system and load level the table gives the median (over the
 runs that measured it) of output tok/s, median TTFT and median TPOT, with the per-run values; then the
@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from kvseal.bench.baselines_table import _label, markdown_table, passes_by_level
+from benchmarks.baselines_table import _label, markdown_table, passes_by_level
 
 KVSEAL = ("kvseal-disagg", "kvseal")
 PEERS = ("llama-server", "vllm", "hf", "llama-cpp-python")

@@ -1,7 +1,7 @@
 """How far the fast arithmetic is from the exact one: greedy agreement and perplexity, in one process.
 
-    python -m kvseal.bench.agreement                         # 50 prompts x 64 tokens, a 2,048-token text
-    python -m kvseal.bench.agreement --prompts 100 --kv-dtype float32,bfloat16 --json out.json
+    python -m benchmarks.agreement                         # 50 prompts x 64 tokens, a 2,048-token text
+    python -m benchmarks.agreement --prompts 100 --kv-dtype float32,bfloat16 --json out.json
 
 For each arithmetic (exact float32 is the reference; fast with each --kv-dtype):
   - greedy: the same prompts (chat questions and random-token prompts), 64 new tokens each; per prompt, how many
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from benchmarks import cpu_record
 from kvseal import llm as api
-from kvseal.bench import cpu_record
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
@@ -103,7 +103,7 @@ def prefix_agreement(a: list[int], b: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvseal.bench.agreement", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.agreement", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=50, help="greedy prompts (half chat questions, half random ids)")
     p.add_argument("--new-tokens", type=int, default=64)

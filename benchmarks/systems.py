@@ -78,8 +78,12 @@ class Settings:
 
     @property
     def vllm_model_dir(self) -> Path:
-        """The GGUF converted by `python -m kvseal.bench.gguf_to_safetensors --out-root PEERS/models`."""
+        """The GGUF converted by `python -m benchmarks.gguf_to_safetensors --out-root PEERS/models`."""
         return Path(self.peers_dir) / "models" / self.served_name
+
+
+# `python -m benchmarks.X` from any working directory: benchmarks/ is a top-level folder, not installed
+REPO_ON_PATH = (("PYTHONPATH", str(Path(__file__).resolve().parents[1])),)
 
 
 @dataclass(frozen=True)
@@ -134,18 +138,18 @@ def launch(system: str, port: int, s: Settings, workload: Workload = "load", pyt
     if system == "vllm":
         return _vllm(port, s)
     if system == "hf":
-        return Launch((python, "-m", "kvseal.bench.hf_server", *model, "--host", "127.0.0.1", "--port", str(port),
+        return Launch((python, "-m", "benchmarks.hf_server", *model, "--host", "127.0.0.1", "--port", str(port),
                        "--dtype", s.dtype, "--max-batch", str(s.max_batch), "--served-model-name", s.served_name,
-                       "--max-model-len", str(s.n_ctx), "--log-level", "warning", *threads))
+                       "--max-model-len", str(s.n_ctx), "--log-level", "warning", *threads), env=REPO_ON_PATH)
     if system == "llama-cpp-python":
         n = str(s.threads or os.cpu_count() or 1)
         # interrupt_requests=false: by default a new request cuts off the one being streamed.
         # logits_all=false: the server's default (true) keeps logits of every prompt position.
-        return Launch((python, "-m", "kvseal.bench.llamacpp_server", "--model", s.model_path,
+        return Launch((python, "-m", "benchmarks.llamacpp_server", "--model", s.model_path,
                        "--model_alias", s.served_name, "--host", "127.0.0.1", "--port", str(port),
                        "--n_ctx", str(s.n_ctx), "--n_threads", n, "--n_threads_batch", n,
                        "--interrupt_requests", "false", "--logits_all", "false", "--verbose", "false"),
-                      ready_path="/v1/models")  # it has no /health
+                      env=REPO_ON_PATH, ready_path="/v1/models")  # it has no /health
     raise ValueError(f"unknown system {system!r}; one of {', '.join(SYSTEMS)}")
 
 

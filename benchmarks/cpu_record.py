@@ -67,4 +67,4 @@ def collect() -> dict[str, Any]:
     except OSError:
         cpuinfo = ""
     return record(cpuinfo, os.cpu_count(), torch.backends.cpu.get_cpu_capability(),
-                  git_commit(Path(__file__).resolve().parents[2]), time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+                  git_commit(Path(__file__).resolve().parents[1]), time.strftime("%Y-%m-%d %H:%M:%S %Z"))

@@ -1,7 +1,7 @@
 """The bundled GGUF as a bfloat16 Hugging Face checkpoint (safetensors, config, tokenizer) for vLLM's CPU build.
 
-    python -m kvseal.bench.gguf_to_safetensors --out-root ~/.cache/kvseal-peers/models   # -> .../<name>/
-    python -m kvseal.bench.gguf_to_safetensors --print-dir --out-root DIR                # where it would go
+    python -m benchmarks.gguf_to_safetensors --out-root ~/.cache/kvseal-peers/models   # -> .../<name>/
+    python -m benchmarks.gguf_to_safetensors --print-dir --out-root DIR                # where it would go
 
 transformers dequantizes the GGUF (`from_pretrained(dir, gguf_file=...)`), but the model it returns refuses
 `save_pretrained` (its config carries a quantization_config), so a fresh model is built from the config without
@@ -47,7 +47,7 @@ def convert(gguf_path: str, out: Path, dtype: str = "bfloat16") -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvseal.bench.gguf_to_safetensors", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gguf_to_safetensors", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", default=None, help="a .gguf (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--out-root", required=True, help="the checkpoint goes to OUT_ROOT/<name>")

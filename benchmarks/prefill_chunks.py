@@ -1,6 +1,6 @@
 """Prefill speed of one long prompt against the chunk size (the scheduler's per-step token budget).
 
-    python -m kvseal.bench.prefill_chunks --prompt-len 2000 --budgets 512,2048 --repeats 2 --threads 2
+    python -m benchmarks.prefill_chunks --prompt-len 2000 --budgets 512,2048 --repeats 2 --threads 2
 
 One in-process engine per budget, the same random prompt, max_tokens=1; the budgets alternate within each
 repeat so that machine noise hits all of them. Prints prompt tokens / time to the first token.
@@ -21,7 +21,7 @@ from kvseal.model.loader import load_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvseal.bench.prefill_chunks", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.prefill_chunks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt-len", type=int, default=2000)
     p.add_argument("--budgets", default="512,2048")

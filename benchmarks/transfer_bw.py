@@ -1,6 +1,6 @@
 """KV transfer bandwidth: the ZeroMQ transport against a raw loopback TCP copy of the same bytes.
 
-    python -m kvseal.bench.transfer_bw --mb 64 --repeats 5
+    python -m benchmarks.transfer_bw --mb 64 --repeats 5
 
 The receiver (decode side) runs in its own process, the sender (prefill side) in this one; every time is
 taken on the sender, from its first step to the receiver's answer, and reported as a median. Modes:

@@ -1,10 +1,10 @@
 """A minimal OpenAI-compatible server around Hugging Face transformers: the "what you would otherwise use"
 baseline for `kvseal bench` (see docs/baselines.md). Not part of kvseal's serving path.
 
-    python -m kvseal.bench.hf_server --port 8001 [--dtype float32|bfloat16] [--max-batch 32]
+    python -m benchmarks.hf_server --port 8001 [--dtype float32|bfloat16] [--max-batch 32]
 
 Model: transformers' LlamaForCausalLM (or Qwen2) with the weights of the GGUF (default: the bundled
-SmolLM2-135M-Instruct), built by `kvseal.bench.common.hf_model` exactly as `kvseal.bench.engine_vs_hf`'s
+SmolLM2-135M-Instruct), built by `benchmarks.common.hf_model` exactly as `benchmarks.engine_vs_hf`'s
 transformers baseline does; the e2e tests check those weights match transformers' own GGUF loader.
 
 Batching is STATIC: a background thread takes the requests that are waiting (up to --max-batch, after
@@ -40,10 +40,10 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvseal.bench.common import hf_model, left_pad
+from benchmarks.common import hf_model, left_pad
 from kvseal.router.openai_format import Choice, ResponseBuilder, usage
 
-log = logging.getLogger("kvseal.bench.hf_server")
+log = logging.getLogger("benchmarks.hf_server")
 
 # An event for one request: ("token", id) for each generated token, then ("end", finish_reason) or
 # ("error", message).
@@ -352,7 +352,7 @@ def build_app(batcher: Batcher, tokenizer: Any, model_name: str, max_context: in
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvseal.bench.hf_server", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hf_server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="checkpoint (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1")

@@ -1,6 +1,6 @@
 """`python -m llama_cpp.server`, changed in one way only: /v1/completions also takes a prompt of token ids.
 
-    python -m kvseal.bench.llamacpp_server --model FILE.gguf --port 8002 [any llama_cpp.server flag]
+    python -m benchmarks.llamacpp_server --model FILE.gguf --port 8002 [any llama_cpp.server flag]
 
 llama-cpp-python's `Llama.create_completion` accepts `prompt: list[int]`, but its server's request model
 only declares `str | list[str]`, so the token-id prompts `kvseal bench` sends (exactly --input-len tokens

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvseal.bench.common import fmt_ms, fmt_num, markdown_table
-from kvseal.bench.systems import SYSTEMS
+from benchmarks.common import fmt_ms, fmt_num, markdown_table
+from benchmarks.systems import SYSTEMS
 
 METRICS = [("output tok/s", "output_tok_s", 1), ("median TTFT (ms)", "ttft_median_ms", 1),
            ("median TPOT (ms)", "tpot_median_ms", 1)]

@@ -1,5 +1,5 @@
 """How far bf16 greedy output agrees with fp32 (which equals transformers token for token, see
-tests/e2e/test_correctness.py).  `python -m kvseal.bench.bf16_agreement [--new-tokens 64]`
+tests/e2e/test_correctness.py).  `python -m benchmarks.bf16_agreement [--new-tokens 64]`
 
 For each prompt: the index of the first token where bf16 departs from fp32, and the share of positions
 before any departure (after a departure the two continue from different text, so later positions are not

@@ -1,6 +1,6 @@
 """What the prefix cache costs when nothing is shared, and what it saves when prompts share a head; in one run.
 
-    python -m kvseal.bench.prefix_cost             # 32 requests x (256 prompt + 64 new), 5 interleaved repeats
+    python -m benchmarks.prefix_cost             # 32 requests x (256 prompt + 64 new), 5 interleaved repeats
 
 Measured in-process on one engine (no HTTP), the cache on against --no-prefix-cache:
   no sharing  every prompt is new (fresh random ids in every repeat), so the cache only costs: hashing the
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import machine_info
+from benchmarks.seal_cost import run_workload
 from kvseal import LLM, SamplingParams
-from kvseal.bench.common import machine_info
-from kvseal.bench.seal_cost import run_workload
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig
 from kvseal.engine.engine import Engine
 from kvseal.model.loader import load_checkpoint
@@ -40,7 +40,7 @@ def prefill_seconds(engine: Engine, prompts: list[list[int]], tag: str) -> float
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvseal.bench.prefix_cost", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.prefix_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=256)

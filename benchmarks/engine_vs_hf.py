@@ -1,7 +1,7 @@
 """kvseal against Hugging Face transformers `generate` on the same machine, in one run.
 
-    python -m kvseal.bench.engine_vs_hf                       # 1/8/32 concurrent, both dtypes, 3 repeats
-    python -m kvseal.bench.engine_vs_hf --quick               # a smoke run with small sizes
+    python -m benchmarks.engine_vs_hf                       # 1/8/32 concurrent, both dtypes, 3 repeats
+    python -m benchmarks.engine_vs_hf --quick               # a smoke run with small sizes
 
 Workload: N concurrent requests of --prompt-len random token ids, --new-tokens greedy tokens each with EOS
 ignored (every request yields exactly that many), for N in --concurrency; and one --prefill-len prompt with
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kvseal.bench.common import (
+from benchmarks.common import (
     ServerProc,
     fmt_ms,
     fmt_ratio,
@@ -53,7 +53,7 @@ SYSTEMS = {"hf": "transformers", "engine": "kvseal engine", "http": "kvseal HTTP
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvseal.bench.engine_vs_hf", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine_vs_hf", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes")
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(max(a.concs), a.prompt_len, ckpt.arch.vocab_size, seed=0)
     prefill = make_prompts(1, a.prefill_len, ckpt.arch.vocab_size, seed=1)[0]
     pad_id = ckpt.tokenizer.eos_ids[0] if ckpt.tokenizer.eos_ids else 0
-    out: dict[str, Any] = {"machine": machine_info(), "command": " ".join(["python -m kvseal.bench.engine_vs_hf",
+    out: dict[str, Any] = {"machine": machine_info(), "command": " ".join(["python -m benchmarks.engine_vs_hf",
                                                                           *(argv or sys.argv[1:])]),
                            "args": {k: v for k, v in vars(a).items()}, "started": time.strftime("%F %T"),
                            "results": {}}

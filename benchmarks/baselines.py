@@ -1,10 +1,10 @@
 """kvseal against the servers people deploy: one after another, on the same machine, in the same run, with the same
 token-exact prompts and the same `kvseal bench` load.
 
-    python -m kvseal.bench.baselines                  # kvseal x3, llama-server, vLLM, transformers
-    python -m kvseal.bench.baselines --systems kvseal,llama-server --num-prompts 32 -- --warmup 2
+    python -m benchmarks.baselines                  # kvseal x3, llama-server, vLLM, transformers
+    python -m benchmarks.baselines --systems kvseal,llama-server --num-prompts 32 -- --warmup 2
 
-How each system is started: kvseal.bench.systems; set-up, flags and caveats: docs/baselines.md. The peers are
+How each system is started: benchmarks.systems; set-up, flags and caveats: docs/baselines.md. The peers are
 built by `bash scripts/setup_baselines.sh` under $PEERS (default ~/.cache/kvseal-peers).
 
 For each system: start it on a free loopback port, wait until it is ready, run two workloads with `kvseal bench`
@@ -34,10 +34,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvseal.bench import cpu_record
-from kvseal.bench.baselines_table import build_table, side_by_side_plot, summary_table
-from kvseal.bench.common import ManagedServer, free_port
-from kvseal.bench.systems import (
+from benchmarks import cpu_record
+from benchmarks.baselines_table import build_table, side_by_side_plot, summary_table
+from benchmarks.common import ManagedServer, free_port
+from benchmarks.systems import (
     DEFAULT_SYSTEMS,
     SYSTEMS,
     Launch,
@@ -169,7 +169,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if "--" in raw:
         i = raw.index("--")
         raw, extra = raw[:i], raw[i + 1:]
-    p = argparse.ArgumentParser(prog="python -m kvseal.bench.baselines", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.baselines", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"comma list of {', '.join(SYSTEMS)} (default: all but llama-cpp-python)")
