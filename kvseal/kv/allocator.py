@@ -95,11 +95,6 @@ class PageAllocator:
         return len(self._free) + (self._cache.num_evictable if self._cache is not None else 0)
 
     @property
-    def num_free_list(self) -> int:
-        """Pages on the free list (scrubbed, owned by no one and not cached)."""
-        return len(self._free)
-
-    @property
     def num_cached(self) -> int:
         return int(np.count_nonzero(self._owner_key == CACHED))
 

@@ -41,10 +41,6 @@ class ModelArch:
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelArch.{name} must be positive, got {getattr(self, name)}")
 
-    @property
-    def kv_bytes_per_token_fp32(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
-
 
 @dataclass
 class Checkpoint:

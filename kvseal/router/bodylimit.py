@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvseal.errors import PayloadTooLarge
 
 DRAIN_BYTES = 256 * 2**20
 DRAIN_SECONDS = 30.0
@@ -64,11 +65,9 @@ class BodyLimit:
                 await self._reject(send)
 
     async def _reject(self, send: Send) -> None:
-        body: dict[str, Any] = {"error": {"message": f"request body larger than {self.max_bytes} bytes",
-                                          "type": "invalid_request_error", "param": None,
-                                          "code": "payload_too_large"}}
-        data = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": 413,
+        err = PayloadTooLarge(f"request body larger than {self.max_bytes} bytes")
+        data = json.dumps(err.to_openai()).encode()
+        await send({"type": "http.response.start", "status": err.status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(data)).encode()), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": data})
