@@ -86,7 +86,7 @@ def test_prefill_profile_timers_count_macs_and_put_the_ops_back() -> None:
 
     import torch
 
-    from kvseal.bench import prefill_profile as pp
+    from benchmarks import prefill_profile as pp
 
     mod = types.SimpleNamespace(linear=lambda x, w: x @ w.T)
     original = mod.linear

@@ -1,6 +1,6 @@
 """Where a long prompt's prefill time goes, per op, for each arithmetic: the "before and after" of issue 8.
 
-    python -m kvseal.bench.prefill_profile --prompt-len 2000 --threads 2 --repeats 3
+    python -m benchmarks.prefill_profile --prompt-len 2000 --threads 2 --repeats 3
 
 For each arithmetic (`exact`, the float32 set that was the default before, and `fast`), one in-process engine
 (512-token chunks) prefills the same random prompt with max_tokens=1:
@@ -9,7 +9,7 @@ For each arithmetic (`exact`, the float32 set that was the default before, and `
   attention, KV write, norms, RoPE, SwiGLU), so the split is measured, not estimated; the rest (embedding,
   sampling, scheduling, page tables) is the difference to the step's wall time.
 Matrix products and attention also get their multiply-adds and rate (GMAC/s), to set against the instruction
-peaks of `python -m kvseal.bench.limits`.
+peaks of `python -m benchmarks.limits`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from kvseal import LLM, SamplingParams
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.kernels import ops
 from kvseal.model import llama
 from kvseal.model.loader import load_checkpoint
@@ -34,11 +34,9 @@ from kvseal.model.loader import load_checkpoint
 OPS = ("rms_norm", "rope_", "write_kv", "paged_attention_kt", "paged_attention", "silu_mul")
 
 
-def prefill_s(e: Engine, ids: list[int], rid: str) -> float:
+def prefill_s(e: Engine, ids: list[int]) -> float:
     t = time.perf_counter()
-    e.add_request(GenerateRequest(rid, ids, SamplingParams(max_tokens=1, temperature=0.0)))
-    while e.has_work():
-        e.step()
+    LLM.from_engine(e).generate(ids, SamplingParams(max_tokens=1, temperature=0.0))
     return time.perf_counter() - t
 
 
@@ -88,7 +86,7 @@ def profile(e: Engine, ids: list[int], model_args: tuple[int, int, int]) -> tupl
     if hasattr(e.model, "_c_layers"):
         e.model._c_layers = None
     try:
-        wall = prefill_s(e, ids, "profiled")
+        wall = prefill_s(e, ids)
     finally:
         e.model._c_fast, c_layers = saved
         if hasattr(e.model, "_c_layers"):
@@ -101,7 +99,7 @@ def profile(e: Engine, ids: list[int], model_args: tuple[int, int, int]) -> tupl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvseal.bench.prefill_profile", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.prefill_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt-len", type=int, default=2000)
     p.add_argument("--threads", type=int, default=None)
@@ -121,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         e = Engine(EngineConfig(model=ModelConfig(max_model_len=window, arithmetic=arith),
                                 cache=CacheConfig(pool_tokens=window, prefix_cache=False),  # every run computes
                                 scheduler=SchedulerConfig(max_num_batched_tokens=512)), ckpt)
-        prefill_s(e, ids[:64], "warm")
-        one_call = statistics.median(prefill_s(e, ids, f"r{i}") for i in range(a.repeats))
+        prefill_s(e, ids[:64])
+        one_call = statistics.median(prefill_s(e, ids) for _ in range(a.repeats))
         wall, t = profile(e, ids, (arch.num_layers, arch.num_heads, arch.head_dim))
         print(f"\n{arith}: "
               f"one call {one_call:.2f} s ({a.prompt_len / one_call:,.0f} tok/s); per op {wall:.2f} s")
