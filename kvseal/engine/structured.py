@@ -49,8 +49,8 @@ class Grammars:
 
     def _compile_uncached(self, fmt: ResponseFormat) -> xgrammar.CompiledGrammar:
         compiler = self.compiler()
-        if fmt.type == "json_object":
-            return compiler.compile_builtin_json_grammar()
+        if fmt.type == "json_object":  # OpenAI's json_object is an object, not any JSON value
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if fmt.type == "json_schema" and fmt.schema is not None:
             try:
                 return compiler.compile_json_schema(fmt.schema, any_whitespace=False)
