@@ -93,6 +93,13 @@ def ledger_path(a: argparse.Namespace) -> str | None:
     return None if a.ledger in (None, "", "off") else str(a.ledger)
 
 
+def add_kv_transport_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-transport", default="zmq", choices=["zmq", "nixl"],
+                   help="how KV pages move from prefill to decode workers: zmq (ZeroMQ over TCP, a packed copy) or "
+                        "nixl (NIXL over UCX: RDMA, shared memory or TCP; decode reads straight into its reserved "
+                        "pages; pip install 'kvseal[nixl]'). Every worker of a fleet uses the same one")
+
+
 def add_test_faults_arg(p: argparse.ArgumentParser) -> None:
     # test-only, absent from --help on purpose: kvseal/faults.py
     p.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)
@@ -160,7 +167,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
         role=a.command, engine=engine_config(a), host=a.host, port=a.port, threads=a.threads,
         log_level=a.log_level, test_faults=a.test_faults, drain_timeout_s=a.drain_timeout,
         router=_endpoint(a.router) if a.router else None, advertise_host=a.advertise_host,
-        metrics_port=a.metrics_port,
+        metrics_port=a.metrics_port, kv_transport=a.kv_transport,
         **({"transfer_timeout_s": a.transfer_timeout} if a.command == "prefill" else
            {"kv_host": a.kv_host, "kv_port": a.kv_port, "reservation_timeout_s": a.reservation_timeout})))
 
@@ -266,7 +273,7 @@ def worker_specs(a: argparse.Namespace, cores: int) -> tuple[WorkerSpec, WorkerS
     prefill_cfg = cfg if a.prefill_kv_pool_tokens is None else dataclasses.replace(
         cfg, cache=dataclasses.replace(cfg.cache, pool_tokens=a.prefill_kv_pool_tokens, pool_bytes=None))
     p_threads, d_threads = worker_threads(a, cores)
-    common = {"log_level": a.log_level, "test_faults": a.test_faults}
+    common = {"log_level": a.log_level, "test_faults": a.test_faults, "kv_transport": a.kv_transport}
     return (WorkerSpec(role="prefill", engine=prefill_cfg, threads=p_threads, **common),
             WorkerSpec(role="decode", engine=cfg, threads=d_threads, **common))
 
@@ -366,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU threads per decode worker (default: as --prefill-threads)")
     serve.add_argument("--fleet-port", type=int, default=0, help="as for `kvseal router`")
     serve.add_argument("--fleet-host", default=None, help="as for `kvseal router`")
+    add_kv_transport_arg(serve)
     add_test_faults_arg(serve)
     from kvseal.ledger.store import default_path
 
@@ -389,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
         w.add_argument("--drain-timeout", type=float, default=600.0,
                        help="on SIGTERM or `kvseal drain`, seconds to finish the requests in flight before the "
                             "rest fail")
+        add_kv_transport_arg(w)
         add_test_faults_arg(w)
         if role == "prefill":
             w.add_argument("--transfer-timeout", type=float, default=60.0,

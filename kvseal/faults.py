@@ -5,7 +5,8 @@ in /info (`test_faults`, `test_faults_active`), and the router refuses a worker 
 a fleet is all-clean or all on the same faults. A spec that names an unknown fault or gives a bad value refuses
 to start. SPEC is a comma-separated list:
 
-    flip_byte                  prefill corrupts one byte of one page in flight
+    flip_byte                  prefill corrupts one page in flight (ZeroMQ: one byte of the packed copy; NIXL:
+                               the first page is offered from the pool page after it)
     short_pages                prefill sends one page fewer than reserved
     short_tokens               prefill claims one token fewer than reserved
     wrong_nonce                prefill's manifest carries another nonce
@@ -33,7 +34,7 @@ import msgspec
 from kvseal.engine.messages import GenerateRequest
 from kvseal.errors import InvalidRequest
 from kvseal.hooks import NO_FAULTS, Hooks
-from kvseal.transfer.manifest import KVManifest, PagePayload
+from kvseal.transfer.manifest import KVManifest, PagePayload, PoolPages
 
 log = logging.getLogger("kvseal.faults")
 FLAG = "--test-faults"
@@ -168,15 +169,13 @@ class InjectedFaults(Hooks):
     def hold_handoff_s(self) -> float:
         return self.now.stall_transfer_s
 
-    def outgoing_kv(self, m: KVManifest, p: PagePayload) -> tuple[KVManifest, PagePayload]:
+    def outgoing_kv(self, m: KVManifest,
+                    p: PagePayload | PoolPages) -> tuple[KVManifest, PagePayload | PoolPages]:
         flags = self.now.flags
         if "flip_byte" in flags and p.nbytes:
-            k = p.k.clone()
-            k[k.numel() // 2] ^= 0x01
-            p = PagePayload(k, p.v, p.num_pages)
+            p = _corrupted(p)
         if "short_pages" in flags and p.num_pages > 0:
-            step = p.k.numel() // p.num_pages
-            p = PagePayload(p.k[:-step], p.v[:-step], p.num_pages - 1)
+            p = _short(p)
             m = msgspec.structs.replace(m, num_pages=m.num_pages - 1, page_checksums=m.page_checksums[:-1])
         if "short_tokens" in flags:
             m = msgspec.structs.replace(m, num_tokens=m.num_tokens - 1)
@@ -194,6 +193,23 @@ class InjectedFaults(Hooks):
 
     def capacity_check(self) -> bool:
         return "incident" not in self.now.flags
+
+
+def _corrupted(p: PagePayload | PoolPages) -> PagePayload | PoolPages:
+    """One page that differs in flight from what the manifest's checksums describe."""
+    if isinstance(p, PoolPages):  # an in-place transport reads the first page from the pool page after it
+        moved = (p.page_ids[0] + 1) % p.k.shape[1]
+        return PoolPages(p.k, p.v, (moved, *p.page_ids[1:]))
+    k = p.k.clone()
+    k[k.numel() // 2] ^= 0x01
+    return PagePayload(k, p.v, p.num_pages)
+
+
+def _short(p: PagePayload | PoolPages) -> PagePayload | PoolPages:
+    if isinstance(p, PoolPages):
+        return PoolPages(p.k, p.v, p.page_ids[:-1])
+    step = p.k.numel() // p.num_pages
+    return PagePayload(p.k[:-step], p.v[:-step], p.num_pages - 1)
 
 
 def hooks_from_spec(raw: str | None, who: str) -> Hooks:

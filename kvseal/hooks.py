@@ -17,7 +17,7 @@ normal answer, so a process started without faults runs exactly the product path
 from __future__ import annotations
 
 from kvseal.engine.messages import GenerateRequest
-from kvseal.transfer.manifest import KVManifest, PagePayload
+from kvseal.transfer.manifest import KVManifest, PagePayload, PoolPages
 
 
 class Hooks:
@@ -39,7 +39,9 @@ class Hooks:
     def hold_handoff_s(self) -> float:
         return 0.0
 
-    def outgoing_kv(self, manifest: KVManifest, payload: PagePayload) -> tuple[KVManifest, PagePayload]:
+    def outgoing_kv(self, manifest: KVManifest,
+                    payload: PagePayload | PoolPages) -> tuple[KVManifest, PagePayload | PoolPages]:
+        """payload: the packed copy a staging transport sends, or the pool pages an in-place one offers."""
         return manifest, payload
 
     def verify_kv(self) -> bool:

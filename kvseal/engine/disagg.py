@@ -7,12 +7,16 @@ or refused (the request FAILS here too, pages freed). From the acknowledgement o
 DecodeEngine: reserves pages for a prompt (RESERVED), and admits the request into its batch only after
 the worker verified the arrived KV against that reservation (TRANSFERRING -> VERIFIED -> DECODING).
 A reservation that is released (the prefill side refused), or that times out, ends with its error and
-its pages scrubbed and freed.
+its pages scrubbed and freed. With a transport that moves bytes straight into the reserved pages (NIXL),
+`claim` checks the manifest's identity before a byte moves and pins the pages while bytes may land: a request
+that ends meanwhile (release, abort, expiry) ends at once, but its pages stay owned by it until the transport
+says nothing can land any more (`accept_landed` / `landing_failed`); only then are they scrubbed and freed.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvseal.engine.engine import Engine
@@ -24,16 +28,18 @@ from kvseal.lifecycle import State
 from kvseal.transfer.manifest import (
     KVManifest,
     PagePayload,
+    PoolPages,
     Reservation,
     build_manifest,
     dtype_name,
     new_nonce,
     new_reservation_id,
-    pack_pages,
     page_checksums,
     page_nbytes,
     unpack_into,
     verify,
+    verify_identity,
+    verify_landed,
 )
 
 
@@ -64,9 +70,13 @@ class PrefillEngine(Engine):
         self.handoffs[seq.request_id] = h
         self._ready.append(h)
 
-    def package(self, h: Handoff, reservation: Reservation) -> tuple[KVManifest, PagePayload]:
-        """The prompt's pages, packed page-major, and the manifest that describes them to decode."""
-        payload = pack_pages(self.pool.k, self.pool.v, h.seq.pages[: h.num_pages])
+    def package(self, h: Handoff, reservation: Reservation,
+                staged: bool = True) -> tuple[KVManifest, PagePayload | PoolPages]:
+        """The manifest that describes the prompt's pages to decode, and the pages: packed page-major for a
+        staging transport, else where they lie (checksums over them in place; they stay owned until the
+        handoff ends)."""
+        pages = PoolPages(self.pool.k, self.pool.v, tuple(h.seq.pages[: h.num_pages]))
+        payload: PagePayload | PoolPages = pages.pack() if staged else pages
         lp = h.first_logprob
         manifest = build_manifest(
             reservation, payload, num_tokens=len(h.seq.prompt_ids), first_token=h.first_token,
@@ -101,6 +111,9 @@ class DecodeEngine(Engine):
         super().__init__(*args, role="decode", **kwargs)  # type: ignore[misc, arg-type]
         self.reserved: dict[str, tuple[Sequence, float]] = {}  # request id -> (seq, deadline)
         self.reservations: dict[str, Reservation] = {}  # request id -> what was promised to prefill
+        # claimed by an in-place transport: bytes may be landing in the pages (pinned until the landing ends)
+        self.landing: dict[str, tuple[Sequence, Reservation]] = {}
+        self.quarantined: dict[str, Sequence] = {}  # ended while landing: pages still owned, freed at its end
 
     def reserve(self, req: GenerateRequest, timeout_s: float, kv_endpoint: str) -> Reservation:
         """Set pages aside for the prompt's KV. Raises the request's error (nothing is held) on refusal."""
@@ -122,15 +135,7 @@ class DecodeEngine(Engine):
         already used) is refused and changes nothing. `check=False` exists only for the test-only incident
         fault."""
         rid = manifest.request_id
-        res = self.reservations.get(rid)
-        entry = self.reserved.get(rid)
-        if res is None or entry is None or entry[0].life.state is not State.RESERVED:
-            err = TransferVerificationFailed(f"KV arrived for request {rid!r}, which holds no reservation here")
-            err.field = "reservation"
-            raise err
-        seq = entry[0]
-        self.reservations.pop(rid, None)  # one arrival per reservation: a second one finds nothing
-        seq.life.advance(State.TRANSFERRING)
+        seq, res = self._take_reservation(rid)
         try:
             if check:
                 verify(manifest, res, payload, expected_fingerprint=self.fingerprint,
@@ -144,20 +149,102 @@ class DecodeEngine(Engine):
         unpack_into(self.pool.k, self.pool.v, res.page_ids[: payload.num_pages], payload)
         if self.forensics is not None:
             self.forensics.transferred(seq, res.page_ids[: payload.num_pages], manifest.num_tokens)
+        self._admit_arrived(manifest)
+
+    def claim(self, manifest: KVManifest, check: bool = True) -> list[int]:
+        """An in-place transport is about to move the KV into the reserved pages: every check that reads no
+        KV byte first (a manifest that does not name this reservation moves nothing; on a mismatch the request
+        FAILS), then the pages are pinned until `accept_landed` or `landing_failed`. Returns them."""
+        rid = manifest.request_id
+        seq, res = self._take_reservation(rid)
+        try:
+            if check:
+                verify_identity(manifest, res, expected_fingerprint=self.fingerprint,
+                                vocab_size=self.arch.vocab_size, logprobs=seq.params.logprobs)
+        except TransferVerificationFailed as err:
+            self._verification(seq, "failed", manifest, None, err.field)
+            self.release(rid, err, rejected=False)
+            raise
+        self.landing[rid] = (seq, res)
+        return res.page_ids[: manifest.num_pages]
+
+    def accept_landed(self, manifest: KVManifest, check: bool = True) -> None:
+        """The claimed pages hold the arrived bytes and nothing more can land in them: verify the page
+        checksums in place (seal 4) and admit; on a mismatch the request FAILS, pages scrubbed and freed."""
+        rid = manifest.request_id
+        claimed = self._end_landing(rid)
+        if claimed is None:
+            raise TransferVerificationFailed(f"request {rid!r} ended while its KV was landing; its pages were "
+                                             f"scrubbed and freed")
+        seq, res = claimed
+        landed = PoolPages(self.pool.k, self.pool.v, tuple(res.page_ids[: manifest.num_pages]))
+        try:
+            if check:
+                verify_landed(manifest, res, landed)
+        except TransferVerificationFailed as err:
+            self._verification(seq, "failed", manifest, landed, err.field)
+            self.release(rid, err, rejected=False)
+            raise
+        self._verification(seq, "ok" if check else "unverified", manifest, landed)
+        if self.forensics is not None:
+            self.forensics.transferred(seq, list(landed.page_ids), manifest.num_tokens)
+        self._admit_arrived(manifest)
+
+    def landing_failed(self, request_id: str, error: KvsealError) -> None:
+        """The claimed pages' bytes did not all arrive, and nothing can land any more: FAIL, scrub and free."""
+        if self._end_landing(request_id) is not None:
+            self.release(request_id, error, rejected=False)
+
+    def _take_reservation(self, rid: str) -> tuple[Sequence, Reservation]:
+        res = self.reservations.get(rid)
+        entry = self.reserved.get(rid)
+        if res is None or entry is None or entry[0].life.state is not State.RESERVED:
+            err = TransferVerificationFailed(f"KV arrived for request {rid!r}, which holds no reservation here")
+            err.field = "reservation"
+            raise err
+        self.reservations.pop(rid, None)  # one arrival per reservation: a second one finds nothing
+        entry[0].life.advance(State.TRANSFERRING)
+        return entry[0], res
+
+    def _end_landing(self, rid: str) -> tuple[Sequence, Reservation] | None:
+        """The landing of rid's KV is over. None if the request ended meanwhile: its pages are freed now."""
+        claimed = self.landing.pop(rid, None)
+        ended = self.quarantined.pop(rid, None)
+        if ended is not None:
+            self.scheduler.remove(ended)  # nothing can land any more: scrub and free
+            return None
+        return claimed
+
+    def _end(self, seq: Sequence, terminate: Callable[[], bool]) -> None:
+        if seq.request_id not in self.landing:
+            super()._end(seq, terminate)
+            return
+        # bytes may still land in its pages: end the request now, free the pages when the landing ends
+        if not terminate():
+            return
+        self.seqs.pop(seq.request_id, None)
+        self.reserved.pop(seq.request_id, None)
+        self.quarantined[seq.request_id] = seq
+        self._out.append(self._final(seq))
+
+    def _admit_arrived(self, manifest: KVManifest) -> None:
         m = manifest
         lp = None if m.first_logprob is None else TokenLogprob(m.first_token, m.first_logprob, list(m.first_top))
-        self.admit_verified(rid, m.first_token, lp)
+        self.admit_verified(m.request_id, m.first_token, lp)
 
-    def _verification(self, seq: Sequence, result: str, m: KVManifest, payload: PagePayload,
+
+    def _verification(self, seq: Sequence, result: str, m: KVManifest, payload: PagePayload | PoolPages | None,
                       field: str | None = None) -> None:
         """The ledger's per-page verification record: every page matched (ok), was not checked (the incident
         fault), or, after a failure, which pages' checksums differed (when the counts allowed comparing)."""
         if self.forensics is None:
             return
-        if result == "failed":
+        if payload is None:  # refused before a byte moved (an in-place transport's claim)
+            pages: list[str] = []
+        elif result == "failed":
             same = len(m.page_checksums) == payload.num_pages and payload.num_pages > 0 and payload.nbytes > 0
-            pages = (["ok" if a == b else "mismatch" for a, b in zip(m.page_checksums, page_checksums(payload))]
-                     if same else [])
+            got = payload.checksums() if isinstance(payload, PoolPages) else page_checksums(payload) if same else []
+            pages = ["ok" if a == b else "mismatch" for a, b in zip(m.page_checksums, got)] if same else []
         else:
             pages = [result] * payload.num_pages
         self.forensics.log_of(seq).verification = {"result": result, "field": field, "pages": pages}

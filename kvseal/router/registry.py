@@ -2,7 +2,7 @@
 
 The served context window is the smallest any eligible worker can hold. The router refuses to start when a
 worker's KV pool holds fewer tokens than that window, or when workers disagree on the model fingerprint, page
-size, KV dtype, KV layout, kernels or arithmetic. After start, the fleet as it started is a `FleetSpec`, and a
+size, KV dtype, KV layout, kernels, arithmetic or KV transport. After start, the fleet as it started is a `FleetSpec`, and a
 worker that connects, reconnects or registers must match it in full (`check_worker`), its tokenizer and its
 test faults included, before it gets a request. Each message names both numbers and both fixes.
 """
@@ -18,6 +18,8 @@ from kvseal.errors import CapacityMismatch
 # kernels/arithmetic: the kernel sets compute the same KV only up to rounding (exact) or quantization (fast);
 # mixing them would make a disaggregated answer differ from a unified one, so the fleet agrees on one.
 _MUST_MATCH = ("model_fingerprint", "page_size", "kv_dtype", "kv_layout", "kernels", "arithmetic")
+# how KV moves between workers (--kv-transport); a worker of a version before the flag speaks zmq
+_TRANSPORT, _DEFAULT_TRANSPORT = "kv_transport", "zmq"
 
 
 def served_window(infos: list[tuple[str, dict[str, Any]]], max_model_len: int | None) -> int:
@@ -56,6 +58,12 @@ def _check_agree(ref_name: str, ref: Mapping[str, object], name: str, info: Mapp
             f"{name} has {theirs} but {ref_name} has {ours}: KV computed by one cannot be used by the "
             f"other. Fix: start every worker with the same model, --page-size, --dtype, --kv-dtype, --kernels "
             f"and --arithmetic.")
+    theirs_t, ours_t = info.get(_TRANSPORT, _DEFAULT_TRANSPORT), ref.get(_TRANSPORT, _DEFAULT_TRANSPORT)
+    if theirs_t != ours_t:
+        raise CapacityMismatch(
+            f"{name} moves KV with --kv-transport {theirs_t} but {ref_name} with --kv-transport {ours_t}: a prefill "
+            f"worker can hand KV only to a decode worker of the same transport. Fix: start every worker with "
+            f"--kv-transport {ours_t}, or every worker with --kv-transport {theirs_t}.")
 
 
 def _check_pool(name: str, info: Mapping[str, Any], window: int) -> None:
@@ -80,7 +88,9 @@ class FleetSpec:
     @staticmethod
     def of(infos: list[tuple[str, dict[str, Any]]], window: int, tokenizer_digest: str,
            test_faults: str) -> FleetSpec:
-        return FleetSpec(window, {key: infos[0][1][key] for key in _MUST_MATCH}, tokenizer_digest, test_faults)
+        agreed = {key: infos[0][1][key] for key in _MUST_MATCH}
+        agreed[_TRANSPORT] = infos[0][1].get(_TRANSPORT, _DEFAULT_TRANSPORT)
+        return FleetSpec(window, agreed, tokenizer_digest, test_faults)
 
 
 def check_worker(name: str, role: str, info: dict[str, Any], spec: FleetSpec, capacity: bool = True) -> None:

@@ -4,8 +4,15 @@ Small on purpose (after SGLang's `send / poll / abort` and its status enum). A t
 carries back an ack or a nack; it never judges what it moves: verification is `manifest.verify`, run by the
 receiver before it calls `Arrival.reply`.
 
-Sender side:   register(pool_k, pool_v); h = send(endpoint, manifest, payload); poll(h) until done; abort(h)
-Receiver side: register(pool_k, pool_v); endpoint = listen(bind); a = recv(timeout_s); a.reply(ok, error)
+Sender side:   register(pool_k, pool_v); h = send(endpoint, manifest, pages); poll(h) until done; abort(h)
+Receiver side: register(pool_k, pool_v); endpoint = listen(bind); a = recv(timeout_s, claim); a.reply(ok, error)
+
+Two kinds of transport. A staging one (`staged = True`, ZeroMQ) moves a packed copy of the pages; its
+arrival carries that `payload`, which the receiver verifies and only then copies into the reserved pages. An
+in-place one (`staged = False`, NIXL) moves the bytes straight into the reserved pages: before a byte moves it
+asks `claim(manifest)` for them (the receiver checks the manifest's identity against its reservation and pins
+the pages: they cannot expire or be freed while bytes may land), and its arrival says the bytes `landed` there,
+or carries the `error` that stopped them (the receiver then scrubs and frees the claimed pages).
 
 Threading: an instance, and every Arrival it returns, is used from one thread only (the thread that first
 uses it); other threads get RuntimeError. Run one instance per thread if you need several.
@@ -17,7 +24,7 @@ import enum
 import importlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Self
@@ -25,7 +32,11 @@ from typing import Any, Self
 import torch
 
 from kvseal.errors import ErrorInfo, KvsealError
-from kvseal.transfer.manifest import KVManifest, PagePayload
+from kvseal.transfer.manifest import KVManifest, PagePayload, PoolPages
+
+# The receiver's reserved page ids for an arriving manifest; raises a KvsealError (the nack's error) to refuse
+# it before any byte lands. Once it returned, the pages are pinned until the arrival that follows is handled.
+Claim = Callable[[KVManifest], Sequence[int]]
 
 
 class TransferState(enum.Enum):
@@ -58,11 +69,18 @@ class TransferHandle:
 
 
 class Arrival:
-    """One received transfer. Verify it, then answer exactly once with reply()."""
+    """One received transfer. Verify it, then answer exactly once with reply().
 
-    def __init__(self, transfer_id: str, manifest: KVManifest, payload: PagePayload,
-                 reply_fn: Callable[[bool, ErrorInfo | None], bool]) -> None:
+    Exactly one of: `payload` (a staged copy, not yet in any page), `landed` (the bytes are in the claimed
+    pages; nothing more can land there) or `error` (the claimed pages' bytes did not all arrive)."""
+
+    def __init__(self, transfer_id: str, manifest: KVManifest, payload: PagePayload | None,
+                 reply_fn: Callable[[bool, ErrorInfo | None], bool], *, landed: PoolPages | None = None,
+                 error: ErrorInfo | None = None) -> None:
+        if (payload is not None) + (landed is not None) + (error is not None) != 1:
+            raise ValueError("an Arrival carries exactly one of payload, landed or error")
         self.transfer_id, self.manifest, self.payload = transfer_id, manifest, payload
+        self.landed, self.error = landed, error
         self._reply_fn: Callable[[bool, ErrorInfo | None], bool] | None = reply_fn
 
     def reply(self, ok: bool, error: ErrorInfo | None = None) -> bool:
@@ -82,6 +100,8 @@ class Arrival:
 class Transport(ABC):
     """A KV transport endpoint; one instance may send, receive, or both."""
 
+    staged: bool = True  # sends a packed copy (PagePayload); False: moves PoolPages in place (see the top)
+
     def __init__(self) -> None:
         self._owner: int | None = None
 
@@ -97,9 +117,10 @@ class Transport(ABC):
         """Make the pool's memory known to the backend (RDMA registration). A no-op where nothing is pinned."""
 
     @abstractmethod
-    def send(self, endpoint: str, manifest: KVManifest, payload: PagePayload, *,
+    def send(self, endpoint: str, manifest: KVManifest, payload: PagePayload | PoolPages, *,
              timeout_s: float | None = None) -> TransferHandle:
-        """Start sending; never blocks on the peer. The payload must not be modified afterwards."""
+        """Start sending; never blocks on the peer. The payload (or the pages) must not be modified until the
+        transfer is done (acked, refused, timed out) or aborted."""
 
     @abstractmethod
     def poll(self, handle: TransferHandle) -> TransferStatus:
@@ -115,8 +136,8 @@ class Transport(ABC):
         """Start receiving; returns the actual endpoint (a port of 0 is chosen by the OS)."""
 
     @abstractmethod
-    def recv(self, timeout_s: float) -> Arrival | None:
-        """The next arrival, or None after timeout_s."""
+    def recv(self, timeout_s: float, claim: Claim | None = None) -> Arrival | None:
+        """The next arrival, or None after timeout_s. An in-place transport needs `claim`."""
 
     @abstractmethod
     def close(self) -> None:
@@ -133,6 +154,7 @@ class Transport(ABC):
 # (NIXL, Mooncake) are needed only by the deployments that choose it.
 TRANSPORTS: Mapping[str, str] = MappingProxyType({
     "zmq": "kvseal.transfer.zmq:ZmqTransport",
+    "nixl": "kvseal.transfer.nixl:NixlTransport",
 })
 
 

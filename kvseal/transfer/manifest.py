@@ -1,7 +1,10 @@
 """What moves in a prefill -> decode handoff, and its check before use (seal 4). Transport-independent.
 
-Decode reserves pages and hands out a `Reservation`; prefill packs its pages into a `PagePayload` and sends it
-with a `KVManifest`; decode runs `verify()` and only then `unpack_into()` its reserved pages.
+Decode reserves pages and hands out a `Reservation`; prefill describes its pages with a `KVManifest` (checksums
+computed over its pool pages in place, `PoolPages`) and a transport moves them: either packed into a
+`PagePayload` (ZeroMQ), which decode runs `verify()` on and only then `unpack_into()` its reserved pages, or
+straight into the reserved pages (NIXL), which decode claims first (`verify_identity`: nothing lands in a page
+unless the manifest names its reservation) and checks in place (`verify_landed`) before the request may use them.
 
 Payload layout: per side (K, V) one contiguous byte buffer, page-major `(n, L, S, KVH, D)`, so page j of the
 transfer is bytes `[j * page_bytes, (j + 1) * page_bytes)` of each side, where `page_bytes = L * S * KVH * D *
@@ -109,6 +112,51 @@ class PagePayload:
         return PagePayload(_bytes_tensor(k), _bytes_tensor(v), num_pages)
 
 
+@dataclass(frozen=True, slots=True)
+class PoolPages:
+    """`page_ids` of the pools k, v (L, P, ...) where they lie: the pages a transport reads from or writes into
+    without a staging copy. Page j's bytes are pool_k[:, page_ids[j]] (L blocks) then the same of pool_v."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    page_ids: tuple[int, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.page_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.num_pages * page_nbytes(self.k)
+
+    def checksums(self) -> list[int]:
+        """Per page, the same hash page_checksums() gives for these pages packed (K's L blocks, then V's)."""
+        _check_pools(self.k, self.v)
+        num_layers, num_pages = self.k.shape[0], self.k.shape[1]
+        if any(not 0 <= p < num_pages for p in self.page_ids):
+            raise ValueError(f"page ids {list(self.page_ids)} out of range for a pool of {num_pages} pages")
+        block = page_nbytes(self.k) // num_layers if num_layers else 0
+        kb, vb = _flat_bytes(self.k), _flat_bytes(self.v)
+        stride = num_pages * block
+        out = []
+        for p in self.page_ids:
+            h = _new_hash()
+            for mv in (kb, vb):
+                for off in range(p * block, num_layers * stride, stride):
+                    h.update(mv[off:off + block])
+            out.append(int.from_bytes(h.digest(), "big"))
+        return out
+
+    def pack(self) -> PagePayload:
+        return pack_pages(self.k, self.v, self.page_ids)
+
+
+def _flat_bytes(pool: torch.Tensor) -> memoryview:
+    if pool.device.type != "cpu":
+        pool = pool.cpu()
+    return memoryview(pool.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
 def _bytes_tensor(buf: memoryview | bytes) -> torch.Tensor:
     mv = memoryview(buf).cast("B")
     if mv.nbytes == 0:
@@ -140,7 +188,7 @@ def page_nbytes(pool: torch.Tensor) -> int:
     return pool.numel() // pool.shape[1] * pool.element_size() if pool.shape[1] else 0
 
 
-def build_manifest(reservation: Reservation, payload: PagePayload, *, num_tokens: int, first_token: int,
+def build_manifest(reservation: Reservation, payload: PagePayload | PoolPages, *, num_tokens: int, first_token: int,
                    model_fingerprint: str, page_size: int, kv_dtype: str, kv_layout: str,
                    first_logprob: float | None = None,
                    first_top: Sequence[tuple[int, float]] = ()) -> KVManifest:
@@ -148,7 +196,8 @@ def build_manifest(reservation: Reservation, payload: PagePayload, *, num_tokens
     return KVManifest(
         request_id=reservation.request_id, reservation_id=reservation.reservation_id,
         nonce=reservation.nonce, num_tokens=num_tokens, num_pages=payload.num_pages,
-        page_checksums=page_checksums(payload), checksum=CHECKSUM_ALGO, first_token=first_token,
+        page_checksums=payload.checksums() if isinstance(payload, PoolPages) else page_checksums(payload),
+        checksum=CHECKSUM_ALGO, first_token=first_token,
         first_logprob=first_logprob, first_top=list(first_top),
         first_checksum=first_token_checksum(first_token, first_logprob, first_top),
         model_fingerprint=model_fingerprint, page_size=page_size, kv_dtype=kv_dtype, kv_layout=kv_layout,
@@ -270,36 +319,56 @@ def verify(manifest: KVManifest, reservation: Reservation, payload: PagePayload,
     decode emits that token and feeds it to the next step. Cheap checks first; the page checksums, which read
     every byte, last.
     """
+    m = manifest
+    verify_identity(m, reservation, expected_fingerprint=expected_fingerprint, vocab_size=vocab_size,
+                    logprobs=logprobs)
+    _same(m, "payload pages", m.num_pages, payload.num_pages)
+    _same(m, "payload K bytes", m.num_pages * page_bytes, payload.k.numel())
+    _same(m, "payload V bytes", m.num_pages * page_bytes, payload.v.numel())
+    _check_sums(m, reservation, page_checksums(payload))
+
+
+def verify_identity(manifest: KVManifest, reservation: Reservation, *, expected_fingerprint: str,
+                    vocab_size: int | None = None, logprobs: int | None = None) -> None:
+    """Every check of verify() that reads no KV byte: run it before a single byte may land in a reserved page
+    (a transport that writes into the pages directly), so a manifest that does not name this reservation
+    moves nothing."""
     m, r = manifest, reservation
-
-    def same(field: str, expected: object, received: object) -> None:
-        if expected != received:
-            raise _fail(m, field, expected, received)
-
-    same("manifest schema version", SCHEMA_VERSION, m.v)
-    same("request_id", r.request_id, m.request_id)
-    same("reservation_id", r.reservation_id, m.reservation_id)
+    _same(m, "manifest schema version", SCHEMA_VERSION, m.v)
+    _same(m, "request_id", r.request_id, m.request_id)
+    _same(m, "reservation_id", r.reservation_id, m.reservation_id)
     if not hmac.compare_digest(r.nonce.encode(), m.nonce.encode()):
         raise _fail(m, "nonce", r.nonce, m.nonce)
-    same("model_fingerprint (reservation vs this worker)", expected_fingerprint, r.model_fingerprint)
-    same("model_fingerprint", expected_fingerprint, m.model_fingerprint)
-    same("page_size", r.page_size, m.page_size)
-    same("kv_dtype", r.kv_dtype, m.kv_dtype)
-    same("kv_layout", r.kv_layout, m.kv_layout)
-    same("checksum algorithm", CHECKSUM_ALGO, m.checksum)
-    same("num_tokens", r.num_tokens, m.num_tokens)
+    _same(m, "model_fingerprint (reservation vs this worker)", expected_fingerprint, r.model_fingerprint)
+    _same(m, "model_fingerprint", expected_fingerprint, m.model_fingerprint)
+    _same(m, "page_size", r.page_size, m.page_size)
+    _same(m, "kv_dtype", r.kv_dtype, m.kv_dtype)
+    _same(m, "kv_layout", r.kv_layout, m.kv_layout)
+    _same(m, "checksum algorithm", CHECKSUM_ALGO, m.checksum)
+    _same(m, "num_tokens", r.num_tokens, m.num_tokens)
     if m.num_tokens < 1:
         raise _fail(m, "num_tokens", "at least 1", m.num_tokens)
-    same("num_pages (reserved pages)", len(r.page_ids), m.num_pages)
-    same("num_pages (ceil(num_tokens / page_size))", pages_for(m.num_tokens, r.page_size), m.num_pages)
-    same("number of page_checksums", m.num_pages, len(m.page_checksums))
-    same("payload pages", m.num_pages, payload.num_pages)
-    same("payload K bytes", m.num_pages * page_bytes, payload.k.numel())
-    same("payload V bytes", m.num_pages * page_bytes, payload.v.numel())
-    same("first_checksum", first_token_checksum(m.first_token, m.first_logprob, m.first_top), m.first_checksum)
+    _same(m, "num_pages (reserved pages)", len(r.page_ids), m.num_pages)
+    _same(m, "num_pages (ceil(num_tokens / page_size))", pages_for(m.num_tokens, r.page_size), m.num_pages)
+    _same(m, "number of page_checksums", m.num_pages, len(m.page_checksums))
+    _same(m, "first_checksum", first_token_checksum(m.first_token, m.first_logprob, m.first_top), m.first_checksum)
     if vocab_size is not None:
         _check_first_token(m, vocab_size, logprobs)
-    got = page_checksums(payload)
+
+
+def verify_landed(manifest: KVManifest, reservation: Reservation, landed: PoolPages) -> None:
+    """The rest of verify() for bytes that landed in the reserved pages themselves: the page checksums, over
+    the pages in place. Call after verify_identity() and once nothing can land in those pages any more."""
+    _same(manifest, "landed pages", list(reservation.page_ids[: manifest.num_pages]), list(landed.page_ids))
+    _check_sums(manifest, reservation, landed.checksums())
+
+
+def _same(m: KVManifest, field: str, expected: object, received: object) -> None:
+    if expected != received:
+        raise _fail(m, field, expected, received)
+
+
+def _check_sums(m: KVManifest, r: Reservation, got: list[int]) -> None:
     bad = [j for j, (a, b) in enumerate(zip(m.page_checksums, got, strict=True)) if a != b]
     if bad:
         j = bad[0]

@@ -21,12 +21,14 @@ import msgspec
 import zmq
 
 from kvseal.errors import ErrorInfo, TransferTimeout, TransferVerificationFailed, WorkerFailed
-from kvseal.transfer.base import Arrival, TransferHandle, TransferState, TransferStatus, Transport
-from kvseal.transfer.manifest import SCHEMA_VERSION, KVManifest, PagePayload
+from kvseal.transfer.base import Arrival, Claim, TransferHandle, TransferState, TransferStatus, Transport
+from kvseal.transfer.manifest import SCHEMA_VERSION, KVManifest, PagePayload, PoolPages
 
 log = logging.getLogger("kvseal.transfer")
 
-Mutate = Callable[[KVManifest, PagePayload], tuple[KVManifest, PagePayload]]
+Source = PagePayload | PoolPages
+Mutate = Callable[[KVManifest, Source], tuple[KVManifest, Source]]
+Frame = bytes | memoryview
 
 
 class TransferHeader(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,6 +60,8 @@ class ZmqTransport(Transport):
 
     timeout_s: a sent transfer with no answer after this long is TIMED_OUT (per send() override possible).
     mutate: test-only fault injection, applied to (manifest, payload) just before they go on the wire.
+    Subclasses that carry the bytes otherwise (nixl.py) keep this control channel and override
+    `_outgoing` (what follows the header) and `_arrival` (what the receiver makes of it).
     hwm: messages (whole transfers) queued per peer and direction before send() reports FAILED.
     max_frame_bytes: the receiver drops peers that send a larger frame (bounds memory); None: no bound.
     """
@@ -107,19 +111,17 @@ class ZmqTransport(Transport):
         return sock
 
     # -- sender -----------------------------------------------------------------------------------------
-    def send(self, endpoint: str, manifest: KVManifest, payload: PagePayload, *,
+    def send(self, endpoint: str, manifest: KVManifest, payload: PagePayload | PoolPages, *,
              timeout_s: float | None = None) -> TransferHandle:
         self._own()
-        if self._mutate is not None:
-            manifest, payload = self._mutate(manifest, payload)
         handle = TransferHandle(secrets.token_hex(8), endpoint, manifest.request_id)
-        header = self._enc.encode(TransferHeader(transfer_id=handle.transfer_id, manifest=manifest))
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        manifest, frames = self._outgoing(handle, manifest, payload, timeout)
+        header = self._enc.encode(TransferHeader(transfer_id=handle.transfer_id, manifest=manifest))
         try:
             sock = self._dealer(endpoint)
             # Whole multipart messages are queued atomically: NOBLOCK fails before any part goes, or not at all.
-            sock.send_multipart([header, payload.k.numpy().data, payload.v.numpy().data], flags=zmq.NOBLOCK,
-                               copy=False)
+            sock.send_multipart([header, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self._done[handle.transfer_id] = _failed(
                 f"KV transfer of request {manifest.request_id!r} to {endpoint}: the send queue is full "
@@ -130,6 +132,16 @@ class ZmqTransport(Transport):
         else:
             self._pending[handle.transfer_id] = _Pending(handle, time.monotonic() + timeout, timeout)
         return handle
+
+    def _outgoing(self, handle: TransferHandle, manifest: KVManifest, payload: Source,
+                  timeout_s: float) -> tuple[KVManifest, list[Frame]]:
+        """The (possibly fault-mutated) manifest and the frames after the header: here K bytes, V bytes."""
+        if isinstance(payload, PoolPages):
+            payload = payload.pack()
+        if self._mutate is not None:
+            manifest, payload = self._mutate(manifest, payload)
+        assert isinstance(payload, PagePayload)
+        return manifest, [payload.k.numpy().data, payload.v.numpy().data]
 
     def poll(self, handle: TransferHandle) -> TransferStatus:
         self._own()
@@ -200,34 +212,57 @@ class ZmqTransport(Transport):
         self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         return self._endpoint
 
-    def recv(self, timeout_s: float) -> Arrival | None:
+    def recv(self, timeout_s: float, claim: Claim | None = None) -> Arrival | None:
         self._own()
         if self._router is None:
             raise RuntimeError("recv() before listen()")
         deadline = time.monotonic() + timeout_s
         while True:
+            done = self._progress()
+            if done is not None:
+                return done
             wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if self._busy():
+                wait_ms = min(wait_ms, 1)  # bytes in flight elsewhere: look again soon
             if not self._router.poll(wait_ms, zmq.POLLIN):
-                return None
+                if time.monotonic() >= deadline:
+                    return None
+                continue
             frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            arrival = self._parse(frames)
+            arrival = self._parse(frames, claim)
             if arrival is not None:
                 return arrival
 
-    def _parse(self, frames: list[zmq.Frame]) -> Arrival | None:
+    def _progress(self) -> Arrival | None:
+        """An arrival that finished landing outside this socket (an in-place subclass), else None."""
+        return None
+
+    def _busy(self) -> bool:
+        """Whether bytes are landing outside this socket (an in-place subclass)."""
+        return False
+
+    def _parse(self, frames: list[zmq.Frame], claim: Claim | None) -> Arrival | None:
         peer, parts = frames[0].bytes, frames[1:]
         try:
             header = self._header_dec.decode(parts[0].buffer)
         except (msgspec.DecodeError, IndexError) as e:
             self._refuse(peer, parts, f"malformed transfer header: {e}")
             return None
-        if header.v != SCHEMA_VERSION or len(parts) != 3:
-            self._refuse(peer, parts, f"transfer of {len(parts)} frames with schema v{header.v}; expected 3 "
-                         f"frames with schema v{SCHEMA_VERSION}: run one kvseal version on all workers")
+        if header.v != SCHEMA_VERSION or len(parts) != self._num_frames:
+            self._refuse(peer, parts, f"transfer of {len(parts)} frames with schema v{header.v}; expected "
+                         f"{self._num_frames} frames with schema v{SCHEMA_VERSION}: run one kvseal version "
+                         f"and one --kv-transport on all workers")
             return None
-        payload = PagePayload.from_buffers(parts[1].buffer, parts[2].buffer, header.manifest.num_pages)
         tid = header.transfer_id
-        return Arrival(tid, header.manifest, payload, lambda ok, err: self._reply(peer, tid, ok, err))
+        return self._arrival(tid, header.manifest, parts[1:], lambda ok, err: self._reply(peer, tid, ok, err),
+                             claim)
+
+    _num_frames = 3  # header, K bytes, V bytes
+
+    def _arrival(self, transfer_id: str, manifest: KVManifest, frames: list[zmq.Frame],
+                 reply: Callable[[bool, ErrorInfo | None], bool], claim: Claim | None) -> Arrival | None:
+        payload = PagePayload.from_buffers(frames[0].buffer, frames[1].buffer, manifest.num_pages)
+        return Arrival(transfer_id, manifest, payload, reply)
 
     def _refuse(self, peer: bytes, parts: list[zmq.Frame], why: str) -> None:
         try:

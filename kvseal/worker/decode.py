@@ -14,19 +14,21 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvseal.engine.disagg import DecodeEngine
 from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.errors import InternalError, KvsealError, Overloaded, TransferVerificationFailed, WorkerFailed
 from kvseal.hooks import Hooks
-from kvseal.transfer.base import Arrival
-from kvseal.transfer.manifest import page_nbytes
-from kvseal.transfer.zmq import ZmqTransport
+from kvseal.transfer.base import Arrival, create_transport
+from kvseal.transfer.manifest import KVManifest, page_nbytes
 from kvseal.worker import protocol as P
 from kvseal.worker.server import WorkerServer
 
 log = logging.getLogger("kvseal.decode")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,14 @@ class DecodeWorker(WorkerServer):
     role = "decode"
 
     def __init__(self, engine: DecodeEngine, bind: str, kv_bind: str, hooks: Hooks,
-                 reservation_timeout_s: float = 120.0, drain_timeout_s: float = 600.0) -> None:
+                 reservation_timeout_s: float = 120.0, drain_timeout_s: float = 600.0,
+                 kv_transport: str = "zmq") -> None:
         super().__init__(engine, bind, hooks, drain_timeout_s)
         self.dengine = engine
+        self.kv_transport = kv_transport
         # a frame larger than the whole pool is never a real transfer: the transport drops its sender
-        self.transport = ZmqTransport(max_frame_bytes=engine.pool.num_pages * page_nbytes(engine.pool.k) + 2**20)
+        self.transport = create_transport(
+            kv_transport, max_frame_bytes=engine.pool.num_pages * page_nbytes(engine.pool.k) + 2**20)
         self.transport.register(engine.pool.k, engine.pool.v)
         self.kv_endpoint = self.transport.listen(kv_bind)
         self.reservation_timeout_s = reservation_timeout_s
@@ -55,7 +60,9 @@ class DecodeWorker(WorkerServer):
         self._next_expiry = 0.0
 
     def info(self) -> dict[str, object]:
-        return {**super().info(), "kv_endpoint": self.kv_endpoint, "reservations": len(self.dengine.reserved),
+        return {**super().info(), "kv_endpoint": self.kv_endpoint, "kv_transport": self.kv_transport,
+                "kv_landing": len(self.dengine.landing), "kv_quarantined": len(self.dengine.quarantined),
+                "reservations": len(self.dengine.reserved),
                 "reservations_queued": len(self.queue), "reservation_timeout_s": self.reservation_timeout_s}
 
     def handle(self, ident: bytes, msg: P.Message) -> None:
@@ -121,7 +128,7 @@ class DecodeWorker(WorkerServer):
 
     # -- the loop --------------------------------------------------------------------------------------
     def pump(self) -> None:
-        while (arrival := self.transport.recv(0)) is not None:
+        while (arrival := self.transport.recv(0, self._claim)) is not None:
             self._arrive(arrival)
         now = time.monotonic()
         if now >= self._next_expiry:
@@ -129,26 +136,52 @@ class DecodeWorker(WorkerServer):
             self.dengine.expire_reservations(now)
         self._grant_queued()
 
+    def _claim(self, manifest: KVManifest) -> list[int]:
+        """For an in-place transport: the reserved pages the KV may land in (pinned), or the refusal."""
+        return self._checked(manifest.request_id, "claiming pages for",
+                             lambda: self.dengine.claim(manifest, check=self.hooks.verify_kv()))
+
     def _arrive(self, a: Arrival) -> None:
-        self.counters["kv_bytes_received"] += a.payload.nbytes
         rid = a.manifest.request_id
+        if a.error is not None:  # the claimed pages' bytes did not all land: scrubbed and freed, request FAILED
+            log.warning("KV of %r did not arrive: %s", rid, a.error.message)
+            self.dengine.landing_failed(rid, KvsealError.from_info(a.error))
+            self.counters["transfers_refused"] += 1
+            a.reply(False, a.error)
+            return
+        self.counters["kv_bytes_received"] += (a.payload or a.landed).nbytes  # type: ignore[union-attr]
+
+        def accept() -> None:
+            if a.landed is not None:
+                self.dengine.accept_landed(a.manifest, check=self.hooks.verify_kv())
+            else:
+                assert a.payload is not None
+                self.dengine.accept(a.manifest, a.payload, check=self.hooks.verify_kv())
+
         try:
-            self.dengine.accept(a.manifest, a.payload, check=self.hooks.verify_kv())
+            self._checked(rid, "accepting", accept)
+        except KvsealError as err:
+            a.reply(False, err.to_info())
+            return
+        a.reply(True)
+        self.counters["transfers_acked"] += 1
+
+    def _checked(self, rid: str, what: str, step: Callable[[], _T]) -> _T:
+        """One step of taking KV in. A verification failure is counted and raised (the request already FAILED);
+        anything unexpected fails only the request it named, with an InternalError, never this process."""
+        try:
+            return step()
         except TransferVerificationFailed as err:
             log.warning("refusing KV: %s", err.message)
             self.counters["transfers_refused"] += 1
             self.verification_failures[err.field] = self.verification_failures.get(err.field, 0) + 1
-            a.reply(False, err.to_info())
-            return
+            raise
         except Exception:  # no arrival ends this process; the request it named fails
-            log.exception("accepting KV for %r failed", rid)
-            failed = InternalError(f"the decode worker failed while accepting the KV of request {rid!r}")
+            log.exception("%s the KV of %r failed", what, rid)
+            failed = InternalError(f"the decode worker failed while {what} the KV of request {rid!r}")
             self.dengine.release(rid, failed, rejected=False)
             self.counters["transfers_refused"] += 1
-            a.reply(False, failed.to_info())
-            return
-        a.reply(True)
-        self.counters["transfers_acked"] += 1
+            raise failed from None
 
     def route(self, out: list[GenerateDelta]) -> None:
         for d in out:

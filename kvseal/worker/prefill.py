@@ -15,9 +15,8 @@ from kvseal.engine.disagg import Handoff, PrefillEngine
 from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import InvalidRequest, KvsealError, WorkerFailed
 from kvseal.hooks import Hooks
-from kvseal.transfer.base import TransferHandle, TransferState
+from kvseal.transfer.base import TransferHandle, TransferState, create_transport
 from kvseal.transfer.manifest import Reservation
-from kvseal.transfer.zmq import ZmqTransport
 from kvseal.worker import protocol as P
 from kvseal.worker.server import WorkerServer
 
@@ -39,14 +38,18 @@ class PrefillWorker(WorkerServer):
     role = "prefill"
 
     def __init__(self, engine: PrefillEngine, bind: str, hooks: Hooks, transfer_timeout_s: float = 60.0,
-                 drain_timeout_s: float = 600.0) -> None:
+                 drain_timeout_s: float = 600.0, kv_transport: str = "zmq") -> None:
         super().__init__(engine, bind, hooks, drain_timeout_s)
         self.pengine = engine
+        self.kv_transport = kv_transport
         mutate = self.hooks.outgoing_kv if hooks.spec else None
-        self.transport = ZmqTransport(timeout_s=transfer_timeout_s, mutate=mutate)
+        self.transport = create_transport(kv_transport, timeout_s=transfer_timeout_s, mutate=mutate)
         self.transport.register(engine.pool.k, engine.pool.v)
         self.jobs: dict[str, _Job] = {}
         self._held: list[tuple[float, Handoff]] = []  # handoffs a hook holds back (hold_handoff_s)
+
+    def info(self) -> dict[str, object]:
+        return {**super().info(), "kv_transport": self.kv_transport}
 
     def handle(self, ident: bytes, msg: P.Message) -> None:
         # While draining, a PrefillReq is still taken: it continues a request the router already started (its
@@ -133,7 +136,7 @@ class PrefillWorker(WorkerServer):
         if job is None:  # aborted meanwhile
             self.pengine.end_handoff(rid, None)
             return
-        manifest, payload = self.pengine.package(h, job.reservation)
+        manifest, payload = self.pengine.package(h, job.reservation, staged=self.transport.staged)
         job.handle = self.transport.send(job.reservation.kv_endpoint, manifest, payload)
         job.nbytes, job.cached_tokens, job.sent_at = payload.nbytes, h.seq.cached_tokens, time.monotonic()
         self.counters["kv_bytes_sent"] += payload.nbytes

@@ -33,11 +33,14 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     router: str | None = None  # join a running router at this fleet endpoint (tcp://HOST:PORT)
     advertise_host: str | None = None  # the address the router should connect to (default: host)
     metrics_port: int = 0  # Prometheus /metrics on host:this (0: any free port, -1: off)
+    kv_transport: str = "zmq"  # "zmq" | "nixl" (kvseal/transfer/)
     v: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"invalid role={self.role!r}: use prefill or decode")
+        if self.kv_transport not in ("zmq", "nixl"):
+            raise ValueError(f"invalid kv_transport={self.kv_transport!r}: use zmq or nixl")
         if self.v != SPEC_VERSION:
             raise ValueError(f"worker spec v{self.v} is not v{SPEC_VERSION}: start the worker with the same kvseal")
 
@@ -62,10 +65,11 @@ def run_worker(spec: WorkerSpec) -> int:
     bind = f"tcp://{spec.host}:{spec.port}"
     server: WorkerServer
     if spec.role == "prefill":
-        server = PrefillWorker(PrefillEngine(cfg), bind, hooks, spec.transfer_timeout_s, spec.drain_timeout_s)
+        server = PrefillWorker(PrefillEngine(cfg), bind, hooks, spec.transfer_timeout_s, spec.drain_timeout_s,
+                               spec.kv_transport)
     else:
         server = DecodeWorker(DecodeEngine(cfg), bind, f"tcp://{spec.kv_host or spec.host}:{spec.kv_port}", hooks,
-                              spec.reservation_timeout_s, spec.drain_timeout_s)
+                              spec.reservation_timeout_s, spec.drain_timeout_s, spec.kv_transport)
     if spec.metrics_port >= 0:
         logging.getLogger("kvseal").info("metrics on %s", server.metrics.serve(spec.host, spec.metrics_port))
     if spec.router:

@@ -1,9 +1,11 @@
 """The sealed handoff against real processes: bad KV is refused (seal 4), a prefill refusal reaches the
 client with its original error and moves no KV (seal 3), pools return to baseline (seal 8), and greedy
-output of the disaggregated path equals the unified engine token for token (seal 10)."""
+output of the disaggregated path equals the unified engine token for token (seal 10). Every test runs once
+per KV transport: ZeroMQ (a packed copy) and NIXL over UCX (decode reads into its reserved pages)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -12,8 +14,9 @@ import pytest
 
 from kvseal import LLM, SamplingParams
 from kvseal.model.checkpoint import Checkpoint
-from tests.helpers.fleet import LoopbackFleet, module_fleet
+from tests.helpers.fleet import LoopbackFleet, running
 from tests.helpers.procs import FaultFile, wait_until
+from tests.helpers.transports import KV_TRANSPORTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 MODEL = "SmolLM2-135M-Instruct"
@@ -23,11 +26,15 @@ ARGS = ["--max-model-len", "2048", "--kv-pool-tokens", "4096", "--max-num-batche
 class Fleet(LoopbackFleet):
     faults: FaultFile
 
-    def __init__(self) -> None:
-        super().__init__(ARGS, faults=True)
+    def __init__(self, kv_transport: str) -> None:
+        super().__init__([*ARGS, "--kv-transport", kv_transport], faults=True)
 
 
-fleet = module_fleet(Fleet)
+@pytest.fixture(scope="module", params=KV_TRANSPORTS)
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    with running(lambda: Fleet(request.param)) as f:
+        assert f.decode.info()["kv_transport"] == f.prefill.info()["kv_transport"] == request.param
+        yield f
 
 
 @pytest.mark.parametrize("fault", ["short_pages", "short_tokens", "wrong_nonce", "wrong_request_id", "flip_byte"])

@@ -1,4 +1,5 @@
-"""The ZeroMQ KV transport over real sockets on 127.0.0.1: a decode-side receiver thread, a prefill-side sender."""
+"""What only the ZeroMQ KV transport does, over real sockets on 127.0.0.1 (a decode-side receiver thread, a
+prefill-side sender). The seals both transports keep are tested for both in test_kv_transports.py."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 import zmq
 
-from kvseal.errors import KvsealError, TransferTimeout, TransferVerificationFailed
-from kvseal.transfer.base import TransferHandle, TransferState, TransferStatus, transport_class
+from kvseal.errors import TransferVerificationFailed
+from kvseal.transfer.base import TransferHandle, TransferState, TransferStatus
 from kvseal.transfer.manifest import (
     KVManifest,
     PagePayload,
@@ -116,68 +117,6 @@ def wait_done(tx: ZmqTransport, handle: TransferHandle, within_s: float = 5.0) -
     raise AssertionError(f"transfer {handle} still pending after {within_s}s")
 
 
-def test_transfer_arrives_verified_and_acked(decode: Decode) -> None:
-    res = decode.reserve("req-ok", num_tokens=9, page_ids=[14, 3, 8])
-    man, payload = handoff(res, pages=[1, 2, 0])
-    with ZmqTransport(timeout_s=5) as tx:
-        handle = tx.send(res.kv_endpoint, man, payload)
-        status = wait_done(tx, handle)
-        assert status == TransferStatus(TransferState.ACKED)
-        with pytest.raises(KeyError):  # a terminal status is reported once
-            tx.poll(handle)
-    assert decode.outcomes.get(timeout=1) == ("req-ok", True)
-    k, v = prefill_kv()
-    assert torch.equal(decode.k[:, [14, 3, 8]], k[:, [1, 2, 0]])
-    assert torch.equal(decode.v[:, [14, 3, 8]], v[:, [1, 2, 0]])
-
-
-def corrupt_one_byte(man: KVManifest, payload: PagePayload) -> tuple[KVManifest, PagePayload]:
-    v = payload.v.clone()
-    v[-1] ^= 0x01
-    return man, PagePayload(payload.k, v, payload.num_pages)
-
-
-def test_corrupted_page_is_nacked_with_the_original_error(decode: Decode) -> None:
-    res = decode.reserve("req-bad", num_tokens=8, page_ids=[5, 6])
-    man, payload = handoff(res, pages=[9, 10])
-    with ZmqTransport(timeout_s=5, mutate=corrupt_one_byte) as tx:
-        status = wait_done(tx, tx.send(res.kv_endpoint, man, payload))
-    assert status.state is TransferState.REJECTED and status.error is not None
-    assert status.error.kind == "TransferVerificationFailed"
-    assert "page_checksums[1] (reserved page 6;" in status.error.message
-    with pytest.raises(TransferVerificationFailed):
-        status.raise_for_error()
-    assert decode.outcomes.get(timeout=1) == ("req-bad", False)
-    assert not decode.k.any() and not decode.v.any()  # nothing of a refused transfer reaches the pool
-
-
-def test_wrong_nonce_is_nacked(decode: Decode) -> None:
-    res = decode.reserve("req-nonce", num_tokens=4, page_ids=[0])
-    man, payload = handoff(res, pages=[0])
-    with ZmqTransport(timeout_s=5) as tx:
-        status = wait_done(tx, tx.send(res.kv_endpoint, msgspec.structs.replace(man, nonce=new_nonce()), payload))
-    assert status.state is TransferState.REJECTED and status.error is not None
-    assert "nonce" in status.error.message
-
-
-def test_silent_receiver_times_out_within_the_timeout() -> None:
-    with ZmqTransport() as silent, ZmqTransport(timeout_s=0.3) as tx:
-        endpoint = silent.listen("tcp://127.0.0.1:0")  # accepts the bytes, never answers
-        res = Reservation(request_id="req-slow", reservation_id="r", nonce=new_nonce(), num_tokens=4,
-                          page_ids=[0], model_fingerprint=FP, page_size=S, kv_dtype="bfloat16",
-                          kv_layout=LAYOUT, kv_endpoint=endpoint)
-        man, payload = handoff(res, pages=[0])
-        t0 = time.monotonic()
-        handle = tx.send(endpoint, man, payload)
-        assert tx.poll(handle).state is TransferState.PENDING
-        status = wait_done(tx, handle, within_s=2.0)
-        elapsed = time.monotonic() - t0
-    assert status.state is TransferState.TIMED_OUT and status.error is not None
-    assert 0.3 <= elapsed < 1.0
-    err = KvsealError.from_info(status.error)
-    assert isinstance(err, TransferTimeout) and err.status == 504 and "req-slow" in err.message
-
-
 def test_unreachable_endpoint_times_out() -> None:
     with ZmqTransport() as probe:  # find a free port, then stop listening on it
         endpoint = probe.listen("tcp://127.0.0.1:0")
@@ -237,9 +176,3 @@ def test_a_transport_refuses_a_second_thread() -> None:
         t.start()
         t.join()
         assert errors and "one thread" in str(errors[0])
-
-
-def test_registry_names_the_zmq_transport() -> None:
-    assert transport_class("zmq") is ZmqTransport
-    with pytest.raises(ValueError, match="unknown KV transport 'rdma'"):
-        transport_class("rdma")

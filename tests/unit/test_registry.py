@@ -19,6 +19,19 @@ def test_a_worker_that_differs_in_any_field_is_refused(field: str, value: object
         check_fleet([("prefill 1", BASE), ("decode 1", {**BASE, field: value})], 4096)
 
 
+def test_a_fleet_that_mixes_kv_transports_is_refused_with_both_fixes() -> None:
+    with pytest.raises(CapacityMismatch) as e:
+        check_fleet([("prefill 1", {**BASE, "kv_transport": "zmq"}), ("decode 1", {**BASE, "kv_transport": "nixl"})],
+                    4096)
+    msg = str(e.value)
+    assert "decode 1 moves KV with --kv-transport nixl but prefill 1 with --kv-transport zmq" in msg
+    assert "every worker with --kv-transport zmq, or every worker with --kv-transport nixl" in msg
+    check_fleet([("prefill 1", {**BASE, "kv_transport": "nixl"}), ("decode 1", {**BASE, "kv_transport": "nixl"})],
+                4096)
+    with pytest.raises(CapacityMismatch, match="--kv-transport nixl but prefill 1 with --kv-transport zmq"):
+        check_fleet([("prefill 1", BASE), ("decode 1", {**BASE, "kv_transport": "nixl"})], 4096)  # no field: zmq
+
+
 def test_every_difference_is_named_at_once_and_a_small_pool_is_refused() -> None:
     other = {**BASE, "arithmetic": "exact/native", "kv_layout": "L30xPxSx3x64"}
     with pytest.raises(CapacityMismatch) as e:
@@ -42,6 +55,7 @@ JOINER = {**BASE, "role": "prefill", "context_window": 4096, "tokenizer_digest":
     ({"tokenizer_digest": "sha256:other"}, "tokenizer sha256:other but the router has sha256:t"),
     ({"test_faults": "flip_byte"}, "test faults 'flip_byte' but the router with 'none'"),
     ({"role": "decode"}, "is a 'decode' worker, not a 'prefill' one"),
+    ({"kv_transport": "nixl"}, "moves KV with --kv-transport nixl but the fleet with --kv-transport zmq"),
 ])
 def test_a_joining_worker_is_checked_in_full(change: dict, message: str) -> None:
     check_worker("prefill 2", "prefill", JOINER, SPEC)  # the unchanged worker passes
