@@ -1,13 +1,23 @@
-"""KV transfer bandwidth: the ZeroMQ transport against a raw loopback TCP copy of the same bytes.
+"""KV transfer bandwidth: both KV transports against a raw loopback TCP copy of the same bytes.
 
-    python -m benchmarks.transfer_bw --mb 64 --repeats 5
+    python -m benchmarks.transfer_bw                                   # 1k-32k tokens, pages of 16 and 64
+    python -m benchmarks.transfer_bw --tokens 4096 --page-sizes 16 --repeats 5 --modes raw,zmq,nixl
 
-The receiver (decode side) runs in its own process, the sender (prefill side) in this one; every time is
-taken on the sender, from its first step to the receiver's answer, and reported as a median. Modes:
-  zmq full       pack pages + checksums + manifest -> send -> receive -> verify (checksums) -> unpack -> ack
-  zmq send/recv  an already packed payload and manifest -> send -> receive -> ack
-  raw tcp        socket.sendall of the same bytes -> recv_into a preallocated buffer -> 1-byte ack
-The default KV shape is SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64) in bfloat16, pages of 16 tokens.
+The receiver (decode side) runs in its own process, the sender (prefill side) in this one; every time is taken
+on the sender, from its first step to the receiver's answer, and reported as a median. `--pages scattered`
+(default) takes each transfer's pages in random order on both sides, as a long-running allocator may hand them
+out; `--pages runs` takes them in order (a fresh pool; kvseal's FIFO free list often gives runs), where NIXL
+merges the blocks of adjacent pages into one read. UCX picks its transports itself (UCX_TLS in the
+environment narrows them, e.g. UCX_TLS=cma,tcp on one host).
+Modes, each the whole handoff as the workers run it:
+  raw        socket.sendall of the packed bytes -> recv_into one preallocated buffer -> 1-byte ack (the baseline)
+  zmq        pack pages + checksums + manifest -> ZeroMQ send -> receive -> verify -> unpack into the pages -> ack
+  nixl       checksums over the pages in place + offer -> decode claims its pages, NIXL READ (UCX, as it picks:
+             shared memory on one host) straight into them -> verify in place -> ack
+  nixl-tcp   the same with UCX_TLS=tcp: what crosses hosts that have no RDMA
+and the same moves without the page checksums on either side (what the transport itself costs; the seals
+never run without them): zmq-move (pack, send, unpack), nixl-move, nixl-tcp-move (offer, READ).
+The default KV shape is SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64) in bfloat16.
 """
 
 from __future__ import annotations
@@ -18,29 +28,34 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import msgspec
 import torch
 
+from benchmarks.common import host_info, markdown_table
 from kvseal.kv.allocator import pages_for
-from kvseal.transfer.base import TransferState
+from kvseal.transfer.base import TransferState, Transport, create_transport
 from kvseal.transfer.manifest import (
-    CHECKSUM_ALGO,
+    KVManifest,
+    PagePayload,
+    PoolPages,
     Reservation,
     build_manifest,
     dtype_name,
     new_nonce,
     new_reservation_id,
-    pack_pages,
-    page_checksums,
     page_nbytes,
     unpack_into,
     verify,
+    verify_identity,
+    verify_landed,
 )
-from kvseal.transfer.zmq import ZmqTransport
 
 FP = "bench-fingerprint"
+MODES = ("raw", "zmq", "nixl", "nixl-tcp", "zmq-move", "nixl-move", "nixl-tcp-move")
 
 
 @dataclass(frozen=True)
@@ -64,30 +79,59 @@ class Shape:
         return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
 
 
+def _transport(mode: str, timeout_s: float = 600.0) -> Transport:
+    return create_transport("zmq" if mode.startswith("zmq") else "nixl", timeout_s=timeout_s)
+
+
+@contextmanager
+def _ucx_tls(mode: str) -> Iterator[None]:
+    """UCX reads UCX_TLS when an agent is created: nixl-tcp limits it to TCP, in this process and its children."""
+    old = os.environ.get("UCX_TLS")
+    if mode.startswith("nixl-tcp"):
+        os.environ["UCX_TLS"] = "tcp"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = old
+
+
 # -- receiver processes (decode side) -----------------------------------------------------------------
 
 
-def _zmq_receiver(shape: Shape, pool_pages: int, reservations: list[bytes], expected: int,
-                  out: mp.Queue[object]) -> None:
+def _receiver(mode: str, shape: Shape, pool_pages: int, reservations: list[bytes], out: mp.Queue[object]) -> None:
     pool_k, pool_v = shape.pool(pool_pages, seed=None)
     by_id = {r.request_id: r for r in (msgspec.msgpack.decode(b, type=Reservation) for b in reservations)}
-    times: list[tuple[float, float]] = []  # (verify, unpack) seconds of each full transfer
-    with ZmqTransport(timeout_s=600) as rx:
+
+    def claim(m: KVManifest) -> list[int]:
+        res = by_id[m.request_id]
+        verify_identity(m, res, expected_fingerprint=FP)
+        return res.page_ids
+
+    with _transport(mode) as rx:
+        rx.register(pool_k, pool_v)
         out.put(rx.listen("tcp://127.0.0.1:0"))
-        for _ in range(expected):
+        for _ in range(len(reservations)):
             arrival = None
             while arrival is None:
-                arrival = rx.recv(60)
-            res = by_id.get(arrival.manifest.request_id)
-            if res is not None:  # a full transfer: verify, then unpack
-                t0 = time.perf_counter()
-                verify(arrival.manifest, res, arrival.payload, expected_fingerprint=FP,
-                       page_bytes=page_nbytes(pool_k))
-                t1 = time.perf_counter()
+                arrival = rx.recv(60, claim)
+            res = by_id[arrival.manifest.request_id]
+            check = not mode.endswith("-move")
+            if arrival.error is not None:
+                arrival.reply(False, arrival.error)
+            elif arrival.landed is not None:
+                if check:
+                    verify_landed(arrival.manifest, res, arrival.landed)
+                arrival.reply(True)
+            else:
+                assert arrival.payload is not None
+                if check:
+                    verify(arrival.manifest, res, arrival.payload, expected_fingerprint=FP,
+                           page_bytes=page_nbytes(pool_k))
                 unpack_into(pool_k, pool_v, res.page_ids, arrival.payload)
-                times.append((t1 - t0, time.perf_counter() - t1))
-            arrival.reply(True)
-    out.put(times)
+                arrival.reply(True)
 
 
 def _tcp_receiver(nbytes: int, rounds: int, out: mp.Queue[object]) -> None:
@@ -110,120 +154,149 @@ def _tcp_receiver(nbytes: int, rounds: int, out: mp.Queue[object]) -> None:
 # -- sender (prefill side) ----------------------------------------------------------------------------
 
 
-def _wait_acked(tx: ZmqTransport, handle: object) -> None:
-    while True:
-        status = tx.poll(handle)  # type: ignore[arg-type]
-        if status.state is TransferState.ACKED:
-            return
-        if status.done:
-            raise RuntimeError(f"transfer failed: {status}")
-        time.sleep(0.0002)
+@dataclass
+class Case:
+    shape: Shape
+    tokens: int
+    pages: int  # per transfer
+    pool_pages: int
+    k: torch.Tensor
+    v: torch.Tensor
+    gen: torch.Generator
+    scattered: bool
+
+    @staticmethod
+    def make(shape: Shape, tokens: int, scattered: bool) -> Case:
+        n = pages_for(tokens, shape.page_size)
+        pool_pages = n + max(n // 2, 1)
+        k, v = shape.pool(pool_pages, seed=0)
+        return Case(shape, tokens, n, pool_pages, k, v, torch.Generator().manual_seed(1), scattered)
+
+    def page_ids(self) -> list[int]:
+        if not self.scattered:  # one run at a random offset
+            start = int(torch.randint(0, self.pool_pages - self.pages + 1, (1,), generator=self.gen))
+            return list(range(start, start + self.pages))
+        return torch.randperm(self.pool_pages, generator=self.gen)[: self.pages].tolist()
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.pages * page_nbytes(self.k)
 
 
-def run(mb: float, repeats: int, shape: Shape) -> dict[str, list[float]]:
-    page_bytes = page_nbytes(shape.pool(1, seed=None)[0])
-    n = max(1, round(mb * 2**20 / (2 * page_bytes)))  # pages per transfer (K + V)
-    pool_pages = 2 * n
-    num_tokens = n * shape.page_size
-    assert pages_for(num_tokens, shape.page_size) == n
-    k, v = shape.pool(pool_pages, seed=0)
-    gen = torch.Generator().manual_seed(1)
-    rounds = repeats + 1  # the first of each mode warms up and is not timed
-
-    def pages() -> list[int]:  # non-contiguous page ids, as a long-running allocator hands them out
-        return torch.randperm(pool_pages, generator=gen)[:n].tolist()
-
-    res = [Reservation(request_id=f"full-{i}", reservation_id=new_reservation_id(), nonce=new_nonce(),
-                       num_tokens=num_tokens, page_ids=pages(), model_fingerprint=FP, page_size=shape.page_size,
-                       kv_dtype=shape.dtype, kv_layout=shape.layout, kv_endpoint="") for i in range(rounds)]
+def _timed_transport(mode: str, case: Case, rounds: int) -> list[float]:
+    s = case.shape
+    res = [Reservation(request_id=f"r{i}", reservation_id=new_reservation_id(), nonce=new_nonce(),
+                       num_tokens=case.tokens, page_ids=case.page_ids(), model_fingerprint=FP,
+                       page_size=s.page_size, kv_dtype=s.dtype, kv_layout=s.layout, kv_endpoint="")
+           for i in range(rounds)]
     ctx = mp.get_context("spawn")
     q: mp.Queue[object] = ctx.Queue()
-    proc = ctx.Process(target=_zmq_receiver, args=(shape, pool_pages, [msgspec.msgpack.encode(r) for r in res],
-                                                   2 * rounds, q))
-    proc.start()
-    results: dict[str, list[float]] = {"zmq full": [], "zmq send/recv": [], "pack": [], "checksums": []}
-    endpoint = str(q.get(timeout=120))
-    with ZmqTransport(timeout_s=600) as tx:
-        for i in range(rounds):
-            t0 = time.perf_counter()
-            payload = pack_pages(k, v, pages())
-            t1 = time.perf_counter()
-            man = build_manifest(res[i], payload, num_tokens=num_tokens, first_token=0, model_fingerprint=FP,
-                                 page_size=shape.page_size, kv_dtype=shape.dtype, kv_layout=shape.layout)
-            t2 = time.perf_counter()
-            _wait_acked(tx, tx.send(endpoint, man, payload))
-            t3 = time.perf_counter()
-            if i:
-                results["zmq full"].append(t3 - t0)
-                results["pack"].append(t1 - t0)
-                results["checksums"].append(t2 - t1)
-        raw_man = msgspec.structs.replace(man, request_id="raw")
-        for i in range(rounds):
-            t0 = time.perf_counter()
-            _wait_acked(tx, tx.send(endpoint, raw_man, payload))
-            if i:
-                results["zmq send/recv"].append(time.perf_counter() - t0)
-    recv_times = q.get(timeout=120)
-    proc.join(timeout=30)
-    assert isinstance(recv_times, list)
-    results["verify (receiver)"] = [t[0] for t in recv_times[1:]]
-    results["unpack (receiver)"] = [t[1] for t in recv_times[1:]]
+    times: list[float] = []
+    with _ucx_tls(mode):
+        proc = ctx.Process(target=_receiver, args=(mode, s, case.pool_pages, [msgspec.msgpack.encode(r) for r in res],
+                                                   q))
+        proc.start()
+        endpoint = str(q.get(timeout=300))
+        with _transport(mode) as tx:
+            tx.register(case.k, case.v)
+            for r in res:
+                src = PoolPages(case.k, case.v, tuple(case.page_ids()))
+                move_only = mode.endswith("-move")
+                if move_only:  # the manifest (checksums) before the clock: only the move is timed
+                    man = _manifest(r, src, case)
+                t0 = time.perf_counter()
+                payload = src.pack() if tx.staged else src
+                if not move_only:
+                    man = _manifest(r, payload, case)
+                h = tx.send(endpoint, man, payload)
+                while not (st := tx.poll(h)).done:
+                    time.sleep(0.0002)
+                if st.state is not TransferState.ACKED:
+                    raise RuntimeError(f"{mode}: transfer failed: {st}")
+                times.append(time.perf_counter() - t0)
+        proc.join(timeout=60)
+    return times[1:]  # the first warms up (connections, registrations, prepared descriptor lists)
 
-    # The raw baseline moves the same bytes (K then V, one buffer each) over one loopback TCP connection.
-    nbytes = payload.nbytes
-    proc = ctx.Process(target=_tcp_receiver, args=(nbytes, rounds, q))
+
+def _manifest(r: Reservation, payload: PagePayload | PoolPages, case: Case) -> KVManifest:
+    s = case.shape
+    return build_manifest(r, payload, num_tokens=case.tokens, first_token=0, model_fingerprint=FP,
+                          page_size=s.page_size, kv_dtype=s.dtype, kv_layout=s.layout)
+
+
+def _timed_raw(case: Case, rounds: int) -> list[float]:
+    payload = PoolPages(case.k, case.v, tuple(case.page_ids())).pack()
+    ctx = mp.get_context("spawn")
+    q: mp.Queue[object] = ctx.Queue()
+    proc = ctx.Process(target=_tcp_receiver, args=(payload.nbytes, rounds, q))
     proc.start()
-    port = int(q.get(timeout=120))  # type: ignore[call-overload]
-    results["raw tcp"] = []
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    port = int(q.get(timeout=300))  # type: ignore[call-overload]
+    times = []
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         kb, vb = payload.k.numpy().data, payload.v.numpy().data
-        for i in range(rounds):
+        for _ in range(rounds):
             t0 = time.perf_counter()
-            s.sendall(kb)
-            s.sendall(vb)
-            if s.recv(1) != b"k":
+            sock.sendall(kb)
+            sock.sendall(vb)
+            if sock.recv(1) != b"k":
                 raise ConnectionError("raw receiver did not answer")
-            if i:
-                results["raw tcp"].append(time.perf_counter() - t0)
-    proc.join(timeout=30)
-    results["_bytes"] = [float(nbytes)]
-    results["_pages"] = [float(n)]
-    assert page_checksums(payload)  # the payload stayed intact through zero-copy sends
-    return results
+            times.append(time.perf_counter() - t0)
+    proc.join(timeout=60)
+    return times[1:]
 
 
-def report(results: dict[str, list[float]], shape: Shape, repeats: int) -> str:
-    nbytes, n = results["_bytes"][0], int(results["_pages"][0])
-    med = {name: statistics.median(ts) for name, ts in results.items() if not name.startswith("_")}
-    lines = [
-        (f"KV transfer bandwidth: {nbytes / 2**20:.1f} MiB per transfer = {n} pages of {shape.page_size} tokens "
-        f"({shape.layout}, {shape.dtype}); median of {repeats}; checksum {CHECKSUM_ALGO}; "
-        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"),
-        f"{'step':<20}{'median s':>10}{'GB/s':>9}{'vs raw tcp':>12}",
-    ]
-    for name in ("raw tcp", "zmq send/recv", "zmq full", "pack", "checksums", "verify (receiver)",
-                 "unpack (receiver)"):
-        ratio = med["raw tcp"] / med[name]
-        lines.append(f"{name:<20}{med[name]:>10.4f}{nbytes / med[name] / 1e9:>9.2f}{ratio:>12.2f}")
-    lines.append("GB/s = payload bytes / time; 'vs raw tcp' = raw tcp time / this time (1.00 = as fast)")
-    return "\n".join(lines)
+def run_case(shape: Shape, tokens: int, repeats: int, modes: list[str], scattered: bool) -> dict[str, float]:
+    """Median seconds per mode for one (page size, tokens); modes interleave round by round would need every
+    receiver up at once, so they run one after another, raw first and last (its median is over both runs)."""
+    case = Case.make(shape, tokens, scattered)
+    rounds = repeats + 1
+    raw = _timed_raw(case, rounds)
+    out = {m: statistics.median(_timed_transport(m, case, rounds)) for m in modes if m != "raw"}
+    raw += _timed_raw(case, rounds)
+    out["raw"] = statistics.median(raw)
+    out["_bytes"] = float(case.nbytes)
+    return out
+
+
+def report(rows: list[tuple[int, int, dict[str, float]]], shape: Shape, repeats: int, modes: list[str],
+           pages: str) -> str:
+    others = [m for m in modes if m != "raw"]
+    host = host_info()
+    head = (f"KV transfer, median of {repeats} per cell ({shape.layout} per page, {shape.dtype}, pages {pages}, "
+            f"UCX_TLS={os.environ.get('UCX_TLS', 'default')}); {host['cpu']}, {host['cores']} CPUs; "
+            f"GB/s = payload bytes / time, x = raw time / this time")
+    cols = ["page", "tokens", "MiB", "raw GB/s", *[f"{m} GB/s" for m in others], *[f"{m} x raw" for m in others]]
+    cells = [[str(page), f"{tokens:,}", f"{med['_bytes'] / 2**20:.1f}", f"{med['_bytes'] / med['raw'] / 1e9:.2f}",
+              *[f"{med['_bytes'] / med[m] / 1e9:.2f}" for m in others],
+              *[f"{med['raw'] / med[m]:.2f}" for m in others]] for page, tokens, med in rows]
+    return head + "\n\n" + markdown_table(cols, cells)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mb", type=float, default=64.0, help="MiB of K+V pages per transfer")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tokens", default="1024,4096,16384,32768", help="comma list: prompt tokens per transfer")
+    p.add_argument("--page-sizes", default="16,64", help="comma list: tokens per page")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--pages", default="scattered", choices=["scattered", "runs"],
+                   help="each transfer's page ids: random on both sides, or one run of adjacent pages")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     a = p.parse_args(argv)
-    if a.mb <= 0 or a.repeats < 1:
-        p.error("--mb must be positive and --repeats at least 1")
-    shape = Shape(a.layers, a.kv_heads, a.head_dim, a.page_size, dtype_name(getattr(torch, a.dtype)))
-    print(report(run(a.mb, a.repeats, shape), shape, a.repeats))
+    modes = [m for m in a.modes.split(",") if m]
+    if a.repeats < 1 or not set(modes) <= set(MODES) or "raw" not in modes:
+        p.error(f"--repeats must be at least 1 and --modes a comma list of {', '.join(MODES)} with raw in it")
+    rows = []
+    for page in (int(x) for x in a.page_sizes.split(",")):
+        shape = Shape(a.layers, a.kv_heads, a.head_dim, page, dtype_name(getattr(torch, a.dtype)))
+        for tokens in (int(x) for x in a.tokens.split(",")):
+            rows.append((page, tokens, run_case(shape, tokens, a.repeats, modes, a.pages == "scattered")))
+            print(report(rows[-1:], shape, a.repeats, modes, a.pages).splitlines()[-1], flush=True)  # progress
+    print()
+    print(report(rows, shape, a.repeats, modes, a.pages))
 
 
 if __name__ == "__main__":

@@ -193,6 +193,7 @@ class DisaggBackend:
                 "model_fingerprint": serving[0].get("model_fingerprint"),
                 "pool_tokens": min(int(w.get("pool_tokens", 0)) for w in serving),
                 "page_size": serving[0].get("page_size"), "kv_dtype": serving[0].get("kv_dtype"),
+                "kv_transport": serving[0].get("kv_transport"),
                 "tokenizer_digest": self.spec.tokenizer_digest if self.spec else None,
                 "test_faults": self.hooks.spec, "fleet_endpoint": self.fleet_endpoint,
                 "live_requests": len(self.lifecycles), "ended": dict(self.ended),

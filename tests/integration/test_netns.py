@@ -11,6 +11,8 @@ link, to decode's --kv-host. A greedy request works end to end; then the prefill
 a long prompt is being prefilled, so its KV cannot arrive: the client gets a well-formed 502/504 (never a
 200), both pools return to baseline after the (short) timeouts, and once the link is back requests succeed
 again. Everything is set up and torn down here; the test skips only where the kernel refuses a namespace.
+Both KV transports run it: ZeroMQ over TCP, and NIXL over UCX limited to TCP on the KV link (UCX_TLS=tcp,
+UCX_NET_DEVICES the KV veth), decode reading prefill's pages across the namespaces.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import httpx
 import pytest
 
 from tests.helpers.procs import Proc, wait_until
+from tests.helpers.transports import KV_TRANSPORTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 MODEL = "SmolLM2-135M-Instruct"
@@ -58,10 +61,11 @@ def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 class NsProc(Proc):
     """`ip netns exec NS python -m kvseal ...`, with Proc's log file, waits and process-group stop."""
 
-    def __init__(self, ns: str, args: list[str]) -> None:  # Proc.__init__ is not reused: it runs no prefix
+    def __init__(self, ns: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        # Proc.__init__ is not reused: it runs no prefix
         self.log = tempfile.NamedTemporaryFile(prefix=f"kvseal-{ns}-", suffix=".log",  # noqa: SIM115
                                                delete=False)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "kvseal", *args],
                                   stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                   cwd=REPO)
@@ -187,13 +191,20 @@ class Fleet:
         return self.workers()
 
 
-@pytest.fixture(scope="module")
-def fleet(hosts: Hosts) -> Iterator[Fleet]:
-    prefill = NsProc(hosts.ns["prefill"], ["prefill", *ENGINE, "--host", "10.231.1.2",
-                                           "--port", str(PREFILL_PORT), "--transfer-timeout", "5"])
-    decode = NsProc(hosts.ns["decode"], ["decode", *ENGINE, "--host", "10.231.2.2",
+@pytest.fixture(scope="module", params=KV_TRANSPORTS)
+def fleet(hosts: Hosts, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    kv = ["--kv-transport", request.param]
+
+    def ucx(dev: str) -> dict[str, str]:  # NIXL: UCX over TCP on the KV link only, as between hosts
+        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev} if request.param == "nixl" else {}
+
+    prefill = NsProc(hosts.ns["prefill"], ["prefill", *ENGINE, *kv, "--host", "10.231.1.2",
+                                           "--port", str(PREFILL_PORT), "--transfer-timeout", "5"],
+                     ucx(hosts.kv_devs[0]))
+    decode = NsProc(hosts.ns["decode"], ["decode", *ENGINE, *kv, "--host", "10.231.2.2",
                                          "--port", str(DECODE_PORT), "--kv-host", "10.231.3.2",
-                                         "--kv-port", str(KV_PORT), "--reservation-timeout", "8"])
+                                         "--kv-port", str(KV_PORT), "--reservation-timeout", "8"],
+                    ucx(hosts.kv_devs[1]))
     hosts.procs += [prefill, decode]
     prefill.wait_line("worker ready on")
     decode.wait_line("worker ready on")
@@ -204,6 +215,9 @@ def fleet(hosts: Hosts) -> Iterator[Fleet]:
     hosts.procs.append(router)
     router.wait_http(hosts.router_url + "/health", 300)
     yield Fleet(hosts, prefill, decode, router)
+    for proc in (router, prefill, decode):  # the next transport's fleet takes the same ports
+        proc.stop(timeout=10)
+        hosts.procs.remove(proc)
 
 
 def greedy(fleet: Fleet, timeout: float = 300) -> httpx.Response:
@@ -216,6 +230,7 @@ def greedy(fleet: Fleet, timeout: float = 300) -> httpx.Response:
 def test_three_hosts_end_to_end(fleet: Fleet) -> None:
     w = fleet.workers()
     assert w["decode"]["kv_endpoint"] == f"tcp://10.231.3.2:{KV_PORT}"  # KV goes over the prefill-decode link
+    assert w["decode"]["kv_transport"] == w["prefill"]["kv_transport"]
     r = greedy(fleet)
     assert r.status_code == 200, r.text
     body = r.json()
