@@ -216,8 +216,8 @@ def fleet(hosts: Hosts, request: pytest.FixtureRequest) -> Iterator[Fleet]:
     router.wait_http(hosts.router_url + "/health", 300)
     yield Fleet(hosts, prefill, decode, router)
     for proc in (router, prefill, decode):  # the next transport's fleet takes the same ports
-        proc.stop(timeout=10)
         hosts.procs.remove(proc)
+        proc.stop(timeout=30)
 
 
 def greedy(fleet: Fleet, timeout: float = 300) -> httpx.Response:
@@ -306,3 +306,55 @@ def test_cut_kv_link_fails_cleanly_and_recovers(fleet: Fleet) -> None:
           f"after restoring it: {outcomes}")
     wait_until(lambda: fleet.at_baseline() is True, 30, "pools back to baseline at the end")
     print(json.dumps(fleet.info()["ended"]))
+
+
+def test_nixl_link_cut_while_decode_reads_fails_cleanly_and_releases_the_pinned_pages(fleet: Fleet) -> None:
+    """NIXL only: the KV link is cut while decode's READ is in flight (the link slowed to 40 Mbit/s so the read
+    of ~200 tokens takes a couple of seconds). Decode's pages stay pinned while bytes may land, its read is
+    cancelled at its deadline, then the pages are scrubbed and freed: the client gets a clean 502/504, nothing is
+    admitted, and both pools are back at baseline."""
+    w = fleet.workers()
+    if w["decode"]["kv_transport"] != "nixl":
+        pytest.skip("the read is decode's only with NIXL; ZeroMQ's cut is test_cut_kv_link_fails_cleanly_and_recovers")
+    h = fleet.hosts
+    dev = h.kv_devs[0]
+    before = fleet.worker_info_fresh()
+    prompt = " ".join(f"Item {i} costs {i * 7 % 100} coins." for i in range(20))
+    result: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            result["r"] = httpx.post(h.router_url + "/v1/completions", timeout=300, json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        except httpx.HTTPError as exc:
+            result["exc"] = exc
+
+    h.in_ns("prefill", "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", "40mbit", "burst", "32kbit",
+            "latency", "400ms")
+    client = threading.Thread(target=ask)
+    try:
+        client.start()
+        wait_until(lambda: fleet.workers()["decode"].get("kv_landing", 0) >= 1 or result, 120,
+                   "decode's NIXL read in flight")
+        assert not result, f"the request ended before its read was in flight: {result}"
+        h.in_ns("prefill", "ip", "link", "set", dev, "down")
+        client.join(120)
+        assert not client.is_alive() and "exc" not in result, result
+        r: httpx.Response = result["r"]
+        assert r.status_code in (502, 504), f"{r.status_code}: {r.text[:500]}"
+        err = r.json()["error"]
+        assert err["code"] in ("transfer_timeout", "worker_failed"), err
+        wait_until(lambda: fleet.at_baseline() is True, 60, "pools back to baseline with the link down")
+        after = fleet.worker_info_fresh()
+        assert after["decode"]["transfers_acked"] == before["decode"]["transfers_acked"]  # nothing admitted
+        assert after["decode"]["kv_landing"] == 0 and after["decode"]["kv_quarantined"] == 0
+    finally:
+        h.in_ns("prefill", "ip", "link", "set", dev, "up")
+        h.in_ns("prefill", "tc", "qdisc", "del", "dev", dev, "root", check=False)
+        client.join(120)
+    wait_until(lambda: h.reaches("prefill", "10.231.3.2"), 30, "the KV link carries packets again")
+    deadline = time.monotonic() + 90
+    while (r := greedy(fleet)).status_code != 200:
+        assert r.status_code in (502, 504) and time.monotonic() < deadline, f"{r.status_code}: {r.text[:300]}"
+    assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    wait_until(lambda: fleet.at_baseline() is True, 30, "pools back to baseline at the end")
