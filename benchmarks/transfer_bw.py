@@ -23,6 +23,7 @@ The default KV shape is SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64) in b
 from __future__ import annotations
 
 import argparse
+import logging
 import multiprocessing as mp
 import os
 import socket
@@ -80,6 +81,7 @@ class Shape:
 
 
 def _transport(mode: str, timeout_s: float = 600.0) -> Transport:
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # one INFO line per agent otherwise
     return create_transport("zmq" if mode.startswith("zmq") else "nixl", timeout_s=timeout_s)
 
 

@@ -154,7 +154,7 @@ class PoolPages:
 def _flat_bytes(pool: torch.Tensor) -> memoryview:
     if pool.device.type != "cpu":
         pool = pool.cpu()
-    return memoryview(pool.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return pool.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def _bytes_tensor(buf: memoryview | bytes) -> torch.Tensor:

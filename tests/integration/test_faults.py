@@ -2,18 +2,20 @@
 mid-prefill, restarted workers rejoining (checked again), a stalled transfer, and a decode pool exhausted
 under load (requests wait for pages in arrival order).
 Every case checks that no wrong output is returned, the client gets a well-formed error or a correct
-answer, and every pool returns to baseline (seal 8)."""
+answer, and every pool returns to baseline (seal 8). The stalled transfer runs for both KV transports."""
 
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.helpers.fleet import LoopbackFleet, module_fleet
+from tests.helpers.fleet import LoopbackFleet, module_fleet, running
 from tests.helpers.procs import FaultFile, Worker, wait_until
+from tests.helpers.transports import KV_TRANSPORTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 MODEL = "SmolLM2-135M-Instruct"
@@ -23,14 +25,15 @@ ARGS = ["--max-model-len", "1024", "--kv-pool-tokens", "2048"]
 class Fleet(LoopbackFleet):
     faults: FaultFile
 
-    def __init__(self) -> None:
-        super().__init__(ARGS, prefill=["--transfer-timeout", "10"], decode=["--reservation-timeout", "30"],
+    def __init__(self, kv_transport: str = "zmq") -> None:
+        self.args = [*ARGS, "--kv-transport", kv_transport]
+        super().__init__(self.args, prefill=["--transfer-timeout", "10"], decode=["--reservation-timeout", "30"],
                          faults=True)
 
     def restart(self, role: str) -> None:
         old = self.prefill if role == "prefill" else self.decode
         old.stop(signal.SIGKILL)
-        args = [*ARGS, "--port", str(old.port), *self.faults.args()] + (
+        args = [*self.args, "--port", str(old.port), *self.faults.args()] + (
             ["--transfer-timeout", "10"] if role == "prefill" else ["--reservation-timeout", "30"])
         new = Worker(role, args)
         new.port, new.endpoint = old.port, old.endpoint
@@ -52,6 +55,12 @@ class Fleet(LoopbackFleet):
 
 
 fleet = module_fleet(Fleet)
+
+
+@pytest.fixture(scope="module")
+def nixl_fleet() -> Iterator[Fleet]:
+    with running(lambda: Fleet("nixl")) as f:
+        yield f
 
 
 def _error_shape(body: dict) -> None:
@@ -98,7 +107,10 @@ def test_prefill_killed_mid_prefill_then_rejoins(fleet: Fleet) -> None:
     wait_until(fleet.at_baseline, 30, "pools back to baseline")
 
 
-def test_stalled_transfer_times_out_cleanly(fleet: Fleet) -> None:
+@pytest.mark.parametrize("kv_transport", KV_TRANSPORTS)
+def test_stalled_transfer_times_out_cleanly(kv_transport: str, request: pytest.FixtureRequest) -> None:
+    fleet: Fleet = request.getfixturevalue("fleet" if kv_transport == "zmq" else "nixl_fleet")
+    assert fleet.decode.info()["kv_transport"] == kv_transport
     fleet.faults.set("stall_transfer=35", fleet.prefill)  # longer than decode's 30 s reservation timeout
     try:
         r = fleet.complete()
