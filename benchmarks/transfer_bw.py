@@ -3,8 +3,9 @@
     python -m benchmarks.transfer_bw                                   # 1k-32k tokens, pages of 16 and 64
     python -m benchmarks.transfer_bw --tokens 4096 --page-sizes 16 --repeats 5 --modes raw,zmq,nixl
 
-The receiver (decode side) runs in its own process, the sender (prefill side) in this one; every time is taken
-on the sender, from its first step to the receiver's answer, and reported as a median. `--pages scattered`
+The receivers (decode side) run in their own processes, the sender (prefill side) in this one; every time is
+taken on the sender, from its first step to the receiver's answer, and reported as a median. The modes take
+turns round by round (all receivers up at once), so the ratios hold on a machine whose load changes. `--pages scattered`
 (default) takes each transfer's pages in random order on both sides, as a long-running allocator may hand them
 out; `--pages runs` takes them in order (a fresh pool; kvseal's FIFO free list often gives runs), where NIXL
 merges the blocks of adjacent pages into one read. UCX picks its transports itself (UCX_TLS in the
@@ -81,8 +82,13 @@ class Shape:
 
 
 def _transport(mode: str, timeout_s: float = 600.0) -> Transport:
-    logging.getLogger("nixl").setLevel(logging.WARNING)  # one INFO line per agent otherwise
-    return create_transport("zmq" if mode.startswith("zmq") else "nixl", timeout_s=timeout_s)
+    if mode.startswith("zmq"):
+        return create_transport("zmq", timeout_s=timeout_s)
+    from kvseal.transfer.nixl import nixl_api
+
+    nixl_api()  # imported first: it sets up its loggers, which would print one INFO line per agent
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    return create_transport("nixl", timeout_s=timeout_s)
 
 
 @contextmanager
@@ -185,39 +191,45 @@ class Case:
         return 2 * self.pages * page_nbytes(self.k)
 
 
-def _timed_transport(mode: str, case: Case, rounds: int) -> list[float]:
-    s = case.shape
-    res = [Reservation(request_id=f"r{i}", reservation_id=new_reservation_id(), nonce=new_nonce(),
-                       num_tokens=case.tokens, page_ids=case.page_ids(), model_fingerprint=FP,
-                       page_size=s.page_size, kv_dtype=s.dtype, kv_layout=s.layout, kv_endpoint="")
-           for i in range(rounds)]
-    ctx = mp.get_context("spawn")
-    q: mp.Queue[object] = ctx.Queue()
-    times: list[float] = []
-    with _ucx_tls(mode):
-        proc = ctx.Process(target=_receiver, args=(mode, s, case.pool_pages, [msgspec.msgpack.encode(r) for r in res],
-                                                   q))
-        proc.start()
-        endpoint = str(q.get(timeout=300))
-        with _transport(mode) as tx:
-            tx.register(case.k, case.v)
-            for r in res:
-                src = PoolPages(case.k, case.v, tuple(case.page_ids()))
-                move_only = mode.endswith("-move")
-                if move_only:  # the manifest (checksums) before the clock: only the move is timed
-                    man = _manifest(r, src, case)
-                t0 = time.perf_counter()
-                payload = src.pack() if tx.staged else src
-                if not move_only:
-                    man = _manifest(r, payload, case)
-                h = tx.send(endpoint, man, payload)
-                while not (st := tx.poll(h)).done:
-                    time.sleep(0.0002)
-                if st.state is not TransferState.ACKED:
-                    raise RuntimeError(f"{mode}: transfer failed: {st}")
-                times.append(time.perf_counter() - t0)
-        proc.join(timeout=60)
-    return times[1:]  # the first warms up (connections, registrations, prepared descriptor lists)
+class _TransportRun:
+    """One transport mode: its receiver process, its sender transport, and one reservation per round."""
+
+    def __init__(self, mode: str, case: Case, rounds: int, ctx: mp.context.SpawnContext) -> None:
+        s = case.shape
+        self.mode, self.case = mode, case
+        self.res = [Reservation(request_id=f"r{i}", reservation_id=new_reservation_id(), nonce=new_nonce(),
+                                num_tokens=case.tokens, page_ids=case.page_ids(), model_fingerprint=FP,
+                                page_size=s.page_size, kv_dtype=s.dtype, kv_layout=s.layout, kv_endpoint="")
+                    for i in range(rounds)]
+        q: mp.Queue[object] = ctx.Queue()
+        with _ucx_tls(mode):  # the receiver's agent and ours, both created under it
+            self.proc = ctx.Process(target=_receiver, args=(mode, s, case.pool_pages,
+                                                            [msgspec.msgpack.encode(r) for r in self.res], q))
+            self.proc.start()
+            self.endpoint = str(q.get(timeout=300))
+            self.tx = _transport(mode)
+            self.tx.register(case.k, case.v)
+
+    def one(self, i: int) -> float:
+        case, r, tx = self.case, self.res[i], self.tx
+        src = PoolPages(case.k, case.v, tuple(case.page_ids()))
+        move_only = self.mode.endswith("-move")
+        if move_only:  # the manifest (checksums) before the clock: only the move is timed
+            man = _manifest(r, src, case)
+        t0 = time.perf_counter()
+        payload = src.pack() if tx.staged else src
+        if not move_only:
+            man = _manifest(r, payload, case)
+        h = tx.send(self.endpoint, man, payload)
+        while not (st := tx.poll(h)).done:
+            time.sleep(0.0002)
+        if st.state is not TransferState.ACKED:
+            raise RuntimeError(f"{self.mode}: transfer failed: {st}")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.tx.close()
+        self.proc.join(timeout=60)
 
 
 def _manifest(r: Reservation, payload: PagePayload | PoolPages, case: Case) -> KVManifest:
@@ -226,37 +238,52 @@ def _manifest(r: Reservation, payload: PagePayload | PoolPages, case: Case) -> K
                           page_size=s.page_size, kv_dtype=s.dtype, kv_layout=s.layout)
 
 
-def _timed_raw(case: Case, rounds: int) -> list[float]:
-    payload = PoolPages(case.k, case.v, tuple(case.page_ids())).pack()
-    ctx = mp.get_context("spawn")
-    q: mp.Queue[object] = ctx.Queue()
-    proc = ctx.Process(target=_tcp_receiver, args=(payload.nbytes, rounds, q))
-    proc.start()
-    port = int(q.get(timeout=300))  # type: ignore[call-overload]
-    times = []
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        kb, vb = payload.k.numpy().data, payload.v.numpy().data
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            sock.sendall(kb)
-            sock.sendall(vb)
-            if sock.recv(1) != b"k":
-                raise ConnectionError("raw receiver did not answer")
-            times.append(time.perf_counter() - t0)
-    proc.join(timeout=60)
-    return times[1:]
+class _RawRun:
+    """The baseline: the same bytes (one transfer's packed K and V) over one loopback TCP connection."""
+
+    def __init__(self, case: Case, rounds: int, ctx: mp.context.SpawnContext) -> None:
+        payload = PoolPages(case.k, case.v, tuple(case.page_ids())).pack()
+        q: mp.Queue[object] = ctx.Queue()
+        self.proc = ctx.Process(target=_tcp_receiver, args=(payload.nbytes, rounds, q))
+        self.proc.start()
+        self.sock = socket.create_connection(("127.0.0.1", int(q.get(timeout=300))))  # type: ignore[call-overload]
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.kb, self.vb = payload.k.numpy().data, payload.v.numpy().data
+
+    def one(self, i: int) -> float:
+        t0 = time.perf_counter()
+        self.sock.sendall(self.kb)
+        self.sock.sendall(self.vb)
+        if self.sock.recv(1) != b"k":
+            raise ConnectionError("raw receiver did not answer")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.join(timeout=60)
 
 
 def run_case(shape: Shape, tokens: int, repeats: int, modes: list[str], scattered: bool) -> dict[str, float]:
-    """Median seconds per mode for one (page size, tokens); modes interleave round by round would need every
-    receiver up at once, so they run one after another, raw first and last (its median is over both runs)."""
+    """Median seconds per mode for one (page size, tokens). Every mode's receiver is up at once and the modes
+    take turns round by round, so a change in the machine's load touches them all alike; round 0 warms up
+    (connections, registrations, prepared descriptor lists) and is not counted."""
     case = Case.make(shape, tokens, scattered)
     rounds = repeats + 1
-    raw = _timed_raw(case, rounds)
-    out = {m: statistics.median(_timed_transport(m, case, rounds)) for m in modes if m != "raw"}
-    raw += _timed_raw(case, rounds)
-    out["raw"] = statistics.median(raw)
+    ctx = mp.get_context("spawn")
+    runs: dict[str, _TransportRun | _RawRun] = {}
+    try:
+        for m in modes:
+            runs[m] = _RawRun(case, rounds, ctx) if m == "raw" else _TransportRun(m, case, rounds, ctx)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        for i in range(rounds):
+            for m in modes:
+                t = runs[m].one(i)
+                if i:
+                    times[m].append(t)
+    finally:
+        for run in runs.values():
+            run.close()
+    out = {m: statistics.median(ts) for m, ts in times.items()}
     out["_bytes"] = float(case.nbytes)
     return out
 
