@@ -6,7 +6,9 @@ movement into its own pages: it pins the claimed pages exactly while its read is
 times out is cancelled before the pages are scrubbed and freed, so a late byte can never land in a page that
 was given to someone else. A write from prefill could still be in flight when decode's reservation expires.
 Prefill keeps its source pages owned by the request until decode answers or its transfer timeout passes; the
-offer says how long that is, and decode gives up reading at half of it.
+offer says how long that is, and decode gives up reading at half of it (counted from when it reads the offer:
+an offer that waited long in decode's queue could be read after prefill freed its pages, and those bytes
+cannot match the manifest's checksums, so verification refuses them and the pages are scrubbed).
 
 Control: the ZeroMQ channel of zmq.py (acks, nacks, timeouts, abort) carries one small frame per transfer:
     [TransferHeader (transfer id + KVManifest), NixlOffer (prefill's agent name and metadata, its pool's
@@ -240,15 +242,17 @@ class NixlTransport(ZmqTransport):
                     continue
                 del self._reads[tid]
                 return self._ended(tid, r, TransferTimeout(
-                    f"the KV of request {r.manifest.request_id!r} did not arrive over NIXL in time; the read was "
-                    f"cancelled and the pages released"))
+                    f"the KV of request {r.manifest.request_id!r} did not arrive over NIXL (failed or too late); "
+                    f"the read was cancelled and the pages released"))
             state = self.agent.check_xfer_state(r.handle)
             if state == "DONE":
                 del self._reads[tid]
                 r.handle.release()
                 return Arrival(tid, r.manifest, None, r.reply, landed=r.landed)
             if state == "ERR":
-                self._release(r)  # a failed request is not in flight any more
+                if not self._release(r):  # not let go of yet: keep the pages pinned and ask again
+                    r.cancelling = True
+                    continue
                 del self._reads[tid]
                 self._forget_peer(r.peer)
                 return self._ended(tid, r, WorkerFailed(
