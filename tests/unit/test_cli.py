@@ -52,3 +52,16 @@ def test_a_worker_refuses_a_bad_start_message() -> None:
     p = subprocess.run([sys.executable, "-m", "kvseal.worker.run"], input=b'{"role": "router"}',
                        capture_output=True, timeout=60, check=False)
     assert p.returncode == 2 and b"refusing its start message" in p.stderr
+
+
+def test_serve_starts_every_worker_with_its_kv_transport() -> None:
+    for flags, want in (([], "zmq"), (["--kv-transport", "nixl"], "nixl")):
+        prefill, decode = worker_specs(build_parser().parse_args(["serve", *flags]), 2)
+        assert prefill.kv_transport == decode.kv_transport == want
+        # what the worker process decodes from its stdin is what the parent sent
+        assert msgspec.json.decode(msgspec.json.encode(decode), type=WorkerSpec).kv_transport == want
+    assert build_parser().parse_args(["decode", "--kv-transport", "nixl"]).kv_transport == "nixl"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["prefill", "--kv-transport", "rdma"])
+    with pytest.raises(ValueError, match="kv_transport"):
+        WorkerSpec(role="decode", engine=prefill.engine, kv_transport="rdma")
