@@ -31,9 +31,10 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 class Fleet(LoopbackFleet):
+    faults: FaultFile
+
     def __init__(self) -> None:
-        self.faults = FaultFile()
-        super().__init__([*ARGS, *self.faults.args()], router=self.faults.args())
+        super().__init__(ARGS, faults=True)  # every process of the fleet on the same runtime test faults
         self.client = openai.OpenAI(base_url=self.router.url + "/v1", api_key="x", max_retries=0, timeout=300)
         self.router_metrics = self.router.url + "/metrics"
         self.prefill_metrics = str(self.prefill.info()["metrics_endpoint"])
@@ -41,10 +42,6 @@ class Fleet(LoopbackFleet):
 
     def all(self) -> tuple[Samples, Samples, Samples]:
         return scrape(self.router_metrics), scrape(self.prefill_metrics), scrape(self.decode_metrics)
-
-    def stop(self) -> None:
-        super().stop()
-        self.faults.remove()
 
 
 @pytest.fixture(scope="module")
