@@ -45,7 +45,7 @@ from kvseal.transfer.manifest import (
     verify_identity,
     verify_landed,
 )
-from tests.helpers.transports import HAVE_NIXL, KV_TRANSPORTS
+from tests.helpers.transports import KV_TRANSPORTS
 
 pytestmark = pytest.mark.integration
 
@@ -326,10 +326,9 @@ def test_the_registry_names_both_transports() -> None:
     from kvseal.transfer.zmq import ZmqTransport
 
     assert transport_class("zmq") is ZmqTransport and ZmqTransport.staged
-    if HAVE_NIXL:
-        from kvseal.transfer.nixl import NixlTransport
+    from kvseal.transfer.nixl import NixlTransport
 
-        assert transport_class("nixl") is NixlTransport and not NixlTransport.staged
+    assert transport_class("nixl") is NixlTransport and not NixlTransport.staged
     with pytest.raises(ValueError, match="use one of nixl, zmq"):
         transport_class("tcp")
 
