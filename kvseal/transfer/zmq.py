@@ -5,6 +5,9 @@ Wire, per transfer: DEALER (sender, one per destination endpoint) -> ROUTER (rec
 sent with copy=False, so libzmq reads straight from the payload's contiguous buffers; the payload must not be
 modified after send(). The receiver answers on the same connection with one TransferReply (msgpack).
 No pickles: a frame that does not decode into the expected struct is refused.
+With fleet keys (`keys`), both ends authenticate and the channel is encrypted (ZeroMQ CURVE, kvseal/auth): the
+receiver takes connections only from allow-listed members, and the sender pins the receiver's key (the
+reservation's `kv_key`), so no frame goes to, or is read from, anyone else.
 
 Threading: one instance per thread (ZeroMQ sockets are not thread-safe); see base.Transport.
 """
@@ -20,6 +23,9 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from kvseal.auth.curve import as_client, as_server
+from kvseal.auth.keys import MemberKeys
+from kvseal.auth.zap import ZapHandler
 from kvseal.errors import ErrorInfo, TransferTimeout, TransferVerificationFailed, WorkerFailed
 from kvseal.transfer.base import Arrival, Claim, TransferHandle, TransferState, TransferStatus, Transport
 from kvseal.transfer.manifest import SCHEMA_VERSION, KVManifest, PagePayload, PoolPages
@@ -64,11 +70,12 @@ class ZmqTransport(Transport):
     `_outgoing` (what follows the header) and `_arrival` (what the receiver makes of it).
     hwm: messages (whole transfers) queued per peer and direction before send() reports FAILED.
     max_frame_bytes: the receiver drops peers that send a larger frame (bounds memory); None: no bound.
+    keys: this member's fleet keys (CURVE both ways); None: plain ZeroMQ (loopback fleets without keys).
     """
 
     def __init__(self, *, timeout_s: float = 30.0, mutate: Mutate | None = None, hwm: int = 1000,
                  io_threads: int = 1, max_frame_bytes: int | None = None,
-                 keepalive_idle_s: int = 30) -> None:
+                 keepalive_idle_s: int = 30, keys: MemberKeys | None = None) -> None:
         super().__init__()
         if timeout_s <= 0 or hwm < 1 or io_threads < 1:
             raise ValueError(f"invalid ZmqTransport(timeout_s={timeout_s}, hwm={hwm}, io_threads={io_threads}):"
@@ -77,7 +84,10 @@ class ZmqTransport(Transport):
         self._max_frame = -1 if max_frame_bytes is None else max_frame_bytes
         self._keepalive_idle = keepalive_idle_s
         self._ctx = zmq.Context(io_threads=io_threads)
+        self.keys = keys
+        self._zap: ZapHandler | None = None  # started by listen() with keys
         self._dealers: dict[str, zmq.Socket[bytes]] = {}  # endpoint -> its one DEALER
+        self._dealer_keys: dict[str, str | None] = {}  # endpoint -> the receiver key its DEALER pins
         self._pending: dict[str, _Pending] = {}  # transfer id -> in flight, no answer yet
         self._done: dict[str, TransferStatus] = {}  # transfer id -> terminal status not yet polled
         self._router: zmq.Socket[bytes] | None = None
@@ -102,31 +112,43 @@ class ZmqTransport(Transport):
         s.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
         return s
 
-    def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
+    def _dealer(self, endpoint: str, server_key: str | None) -> zmq.Socket[bytes]:
         sock = self._dealers.get(endpoint)
+        if sock is not None and self._dealer_keys[endpoint] != server_key:
+            sock.close(0)  # another receiver now owns that endpoint: a new connection, pinned to its key
+            sock = None
         if sock is None:
+            if self.keys is not None and not (server_key and self.keys.admits(server_key)):
+                raise PermissionError(f"the KV receiver at {endpoint} names no fleet key on this worker's allow-list "
+                                      f"({server_key or 'none'}): nothing is sent to it")
             sock = self._socket(zmq.DEALER)
+            as_client(sock, self.keys, server_key, f"decode worker's KV port at {endpoint}")
             sock.connect(endpoint)
-            self._dealers[endpoint] = sock
+            self._dealers[endpoint], self._dealer_keys[endpoint] = sock, server_key
         return sock
+
+    @property
+    def auth_refused(self) -> int:
+        """Connections to this receiver refused before any frame was read (not on the fleet allow-list)."""
+        return self._zap.refused if self._zap is not None else 0
 
     # -- sender -----------------------------------------------------------------------------------------
     def send(self, endpoint: str, manifest: KVManifest, payload: PagePayload | PoolPages, *,
-             timeout_s: float | None = None) -> TransferHandle:
+             timeout_s: float | None = None, server_key: str | None = None) -> TransferHandle:
         self._own()
         handle = TransferHandle(secrets.token_hex(8), endpoint, manifest.request_id)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         manifest, frames = self._outgoing(handle, manifest, payload, timeout)
         header = self._enc.encode(TransferHeader(transfer_id=handle.transfer_id, manifest=manifest))
         try:
-            sock = self._dealer(endpoint)
+            sock = self._dealer(endpoint, server_key)
             # Whole multipart messages are queued atomically: NOBLOCK fails before any part goes, or not at all.
             sock.send_multipart([header, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self._done[handle.transfer_id] = _failed(
                 f"KV transfer of request {manifest.request_id!r} to {endpoint}: the send queue is full "
                 f"({self._hwm} transfers); the decode worker is not reading")
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, PermissionError) as e:
             self._done[handle.transfer_id] = _failed(
                 f"KV transfer of request {manifest.request_id!r} to {endpoint} could not be sent: {e}")
         else:
@@ -200,7 +222,10 @@ class ZmqTransport(Transport):
         addr = bind_endpoint
         if addr.startswith("tcp://") and addr.rsplit(":", 1)[1] in ("0", "*"):
             addr = addr.rsplit(":", 1)[0] + ":*"  # the OS picks a free port; no guess-and-retry
+        if self.keys is not None and self._zap is None:
+            self._zap = ZapHandler(self._ctx, self.keys, "KV port")  # before the bind: no unchecked handshake
         sock = self._socket(zmq.ROUTER)
+        as_server(sock, self.keys)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an answer to a vanished sender fails instead of vanishing
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         try:
@@ -296,6 +321,8 @@ class ZmqTransport(Transport):
         self._dealers.clear()
         self._router = None
         self._pending.clear()
+        if self._zap is not None:
+            self._zap.stop()
         self._ctx.term()
 
 

@@ -3,6 +3,8 @@
 The router checks the worker in full (seal 7, router/registry.py) before it sends it a request: the same check as
 at the router's start and at every reconnect. A refusal carries the reason, which this worker logs before it
 exits with EXIT_REFUSED; the router keeps showing the refused worker and the reason in its /info.
+With fleet keys the join is a CURVE client pinned to the router's key: the router reads the JoinReq only when
+this worker's key is on its allow-list, and the router then connects to this worker pinning that same key.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from kvseal.auth.curve import as_client
+from kvseal.auth.keys import MemberKeys
 from kvseal.worker import protocol as P
 
 if TYPE_CHECKING:
@@ -22,10 +26,12 @@ log = logging.getLogger("kvseal.worker")
 
 
 class Registration:
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], router: str, role: str, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], router: str, role: str, endpoint: str,
+                 keys: MemberKeys | None = None, router_key: str | None = None) -> None:
         self.router, self.role, self.endpoint = router, role, endpoint
         self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        as_client(self.sock, keys, router_key, f"router's fleet port at {router}")
         self.accepted = False
 
     def start(self, poller: zmq.Poller) -> None:
