@@ -126,7 +126,10 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--port", type=int, default=port, help="port to listen on")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="require a bearer key on every route but /health: FILE has one `TENANT KEY` line per key "
-                        "(# comments); the tenant keys the prefix cache. Without it: no keys, one tenant")
+                        "(# comments); the tenant keys the prefix cache. `TENANT KEY admin` marks an admin key: only "
+                        "those see the fleet's internals (/info's workers, /metrics, /doctor/probe); a tenant's "
+                        "/info shows the model, the window and its own requests. Without it: no keys, one tenant, "
+                        "everyone sees everything")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger bodies get 413")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="render chats with the jinja2 template in FILE instead of the model's own (as vLLM's "
@@ -135,10 +138,11 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
-    from kvseal.router.tenants import load_api_keys
+    from kvseal.router.tenants import read_key_file
 
-    keys = load_api_keys(a.api_keys) if a.api_keys is not None else ()
-    return ServerConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes, api_keys=keys)
+    keys, admins = read_key_file(a.api_keys) if a.api_keys is not None else ((), ())
+    return ServerConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes, api_keys=keys,
+                        admin_keys=admins)
 
 
 def chat_template(a: argparse.Namespace) -> str | None:
