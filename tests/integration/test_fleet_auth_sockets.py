@@ -1,0 +1,162 @@
+"""Fleet keys on the KV channel, over real sockets on 127.0.0.1 (both ends in this process): members move KV
+over CURVE; a stranger (no key, or a key off the allow-list) gets no frame read; a sender pins the receiver's
+key, so a rogue bound where it connects gets nothing; deleting a public key revokes that member."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvseal.auth.curve import as_client, as_server
+from kvseal.auth.keys import MemberKeys, fresh_member, load_member, public_key, write_key_set
+from kvseal.transfer.base import TransferHandle, TransferState, TransferStatus
+from kvseal.transfer.manifest import (
+    Reservation,
+    build_manifest,
+    dtype_name,
+    new_nonce,
+    new_reservation_id,
+    pack_pages,
+)
+from kvseal.transfer.zmq import ZmqTransport
+
+pytestmark = pytest.mark.integration
+L, P, S, KVH, D = 2, 8, 4, 2, 8
+
+
+@pytest.fixture
+def keyset(tmp_path: Path) -> Path:
+    write_key_set(str(tmp_path / "keys"), ["prefill", "decode"])
+    return tmp_path / "keys"
+
+
+@pytest.fixture
+def decode(keyset: Path) -> Iterator[ZmqTransport]:
+    rx = ZmqTransport(keys=load_member(str(keyset), "decode"))
+    rx.listen("tcp://127.0.0.1:0")
+    yield rx
+    rx.close()
+
+
+def _send(tx: ZmqTransport, endpoint: str, server_key: str | None,
+          timeout_s: float = 30.0) -> tuple[TransferHandle, Reservation]:
+    k = torch.randn(L, P, S, KVH, D).to(torch.bfloat16)
+    v = torch.randn(L, P, S, KVH, D).to(torch.bfloat16)
+    res = Reservation(request_id="r1", reservation_id=new_reservation_id(), nonce=new_nonce(), num_tokens=2 * S,
+                      page_ids=[0, 1], model_fingerprint="fp", page_size=S, kv_dtype=dtype_name(torch.bfloat16),
+                      kv_layout="x", kv_endpoint=endpoint, kv_key=server_key or "")
+    payload = pack_pages(k, v, [3, 5])
+    man = build_manifest(res, payload, num_tokens=2 * S, first_token=0, model_fingerprint="fp", page_size=S,
+                         kv_dtype=res.kv_dtype, kv_layout="x")
+    return tx.send(res.kv_endpoint, man, payload, timeout_s=timeout_s, server_key=server_key), res
+
+
+def _settle(tx: ZmqTransport, h: TransferHandle, rx: ZmqTransport | None, seconds: float) -> TransferStatus:
+    """Answer whatever reaches rx (ack) and poll tx until its transfer ends or `seconds` pass."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if rx is not None and (a := rx.recv(0.05)) is not None:
+            a.reply(True)
+        st = tx.poll(h)
+        if st.done or time.monotonic() > deadline:
+            return st
+
+
+def _auth_failed(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if monitor.poll(100) and recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return True
+    return False
+
+
+def test_members_move_kv_over_curve_and_strangers_get_nothing_read(keyset: Path, decode: ZmqTransport) -> None:
+    ctx = zmq.Context()
+    try:
+        # a stranger without keys (what every rogue of issue 17 was): the CURVE server never reads its frame
+        plain = ctx.socket(zmq.DEALER)
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(str(decode._endpoint))
+        plain.send_multipart([b"\x81\xabtransfer_id\xa1x", b"K", b"V"])
+        # a stranger with a key of its own, pinning decode's real key: refused by the allow-list at the handshake
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        monitor = stranger.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        as_client(stranger, fresh_member(), public_key(str(keyset), "decode"), "test")
+        stranger.connect(str(decode._endpoint))
+        stranger.send_multipart([b"\x81\xabtransfer_id\xa1y", b"K", b"V"])
+        assert _auth_failed(stranger, monitor), "the stranger's handshake was not refused"
+        assert decode.recv(1.0) is None  # nothing read, so nothing to answer
+        assert plain.poll(200) == 0 and stranger.poll(200) == 0  # and nothing answered
+        assert decode.auth_refused == 1  # the keyed stranger, counted (the keyless one never reached ZAP)
+        stranger.disable_monitor()
+        monitor.close(0)
+        for s in (plain, stranger):
+            s.close(0)
+    finally:
+        ctx.term()
+    # a member pinning decode's key: the transfer goes through (and decode still serves after the strangers)
+    with ZmqTransport(keys=load_member(str(keyset), "prefill")) as tx:
+        h, _ = _send(tx, str(decode._endpoint), public_key(str(keyset), "decode"))
+        assert _settle(tx, h, decode, 30).state is TransferState.ACKED
+
+
+def test_a_sender_pins_the_receivers_key(keyset: Path, decode: ZmqTransport) -> None:
+    prefill = load_member(str(keyset), "prefill")
+    with ZmqTransport(keys=prefill) as tx:
+        # a key that is not on prefill's allow-list: refused before any connection
+        h, _ = _send(tx, str(decode._endpoint), fresh_member().public)
+        st = tx.poll(h)
+        assert st.state is TransferState.FAILED and st.error is not None and "allow-list" in st.error.message
+        # an allowed key that decode does not hold (prefill's own): the handshake fails, nothing arrives
+        h, _ = _send(tx, str(decode._endpoint), prefill.public, timeout_s=1.5)
+        assert _settle(tx, h, decode, 5).state is TransferState.TIMED_OUT
+        assert decode.recv(0.2) is None
+
+
+@pytest.mark.parametrize("rogue_keys", ["none", "own"])
+def test_a_rogue_bound_where_prefill_connects_gets_no_frame(keyset: Path, rogue_keys: str) -> None:
+    """The rogue binds the endpoint a reservation names; prefill pins decode's key, so no handshake completes."""
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.ROUTER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    if rogue_keys == "own":
+        as_server(rogue, fresh_member())  # CURVE with its own keypair, and no ZAP handler: it would take anyone
+        rogue.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 0)
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with ZmqTransport(keys=load_member(str(keyset), "prefill")) as tx:
+            h, _ = _send(tx, f"tcp://127.0.0.1:{port}", public_key(str(keyset), "decode"), timeout_s=1.5)
+            assert _settle(tx, h, None, 5).state is TransferState.TIMED_OUT
+        assert rogue.poll(300) == 0  # not one frame reached the rogue
+    finally:
+        rogue.close(0)
+        ctx.term()
+
+
+def test_deleting_a_public_key_revokes_that_member(keyset: Path, decode: ZmqTransport) -> None:
+    (keyset / "public" / "prefill.key").unlink()
+    revoked: MemberKeys = load_member(str(keyset), "decode")  # any other member still loads
+    assert revoked.admits(public_key(str(keyset), "decode"))
+    prefill = MemberKeys(public=_prefill_public(keyset), secret=_prefill_secret(keyset),
+                         allowed=(public_key(str(keyset), "decode"),))
+    with ZmqTransport(keys=prefill) as tx:
+        h, _ = _send(tx, str(decode._endpoint), public_key(str(keyset), "decode"), timeout_s=1.5)
+        assert _settle(tx, h, decode, 5).state is TransferState.TIMED_OUT
+    assert decode.auth_refused >= 1
+
+
+def _prefill_public(keyset: Path) -> str:
+    return zmq.auth.load_certificate(keyset / "private" / "prefill.key_secret")[0].decode()
+
+
+def _prefill_secret(keyset: Path) -> str:
+    secret = zmq.auth.load_certificate(keyset / "private" / "prefill.key_secret")[1]
+    assert secret is not None
+    return secret.decode()
