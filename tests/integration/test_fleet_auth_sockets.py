@@ -15,6 +15,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvseal.auth.curve import as_client, as_server
 from kvseal.auth.keys import MemberKeys, fresh_member, load_member, public_key, write_key_set
+from kvseal.auth.zap import ZapHandler
 from kvseal.transfer.base import TransferHandle, TransferState, TransferStatus
 from kvseal.transfer.manifest import (
     Reservation,
@@ -25,6 +26,7 @@ from kvseal.transfer.manifest import (
     pack_pages,
 )
 from kvseal.transfer.zmq import ZmqTransport
+from kvseal.worker.join import Registration
 
 pytestmark = pytest.mark.integration
 L, P, S, KVH, D = 2, 8, 4, 2, 8
@@ -160,3 +162,35 @@ def _prefill_secret(keyset: Path) -> str:
     secret = zmq.auth.load_certificate(keyset / "private" / "prefill.key_secret")[1]
     assert secret is not None
     return secret.decode()
+
+
+def test_a_worker_whose_key_the_router_refuses_stops_with_the_reason(keyset: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The join of `kvseal decode --router`: refused at the handshake, it exits (EXIT_REFUSED) saying why."""
+    from types import SimpleNamespace
+
+    router = fresh_member()  # a router whose allow-list holds none of this key set
+    ctx = zmq.Context()
+    zap = ZapHandler(ctx, router, "fleet port")
+    fleet = ctx.socket(zmq.ROUTER)
+    fleet.setsockopt(zmq.LINGER, 0)
+    as_server(fleet, router)
+    port = fleet.bind_to_random_port("tcp://127.0.0.1")
+    reg = Registration(ctx, f"tcp://127.0.0.1:{port}", "decode", "tcp://127.0.0.1:1",
+                       load_member(str(keyset), "prefill"), router.public)
+    poller = zmq.Poller()
+    server = SimpleNamespace(exit_code=0)
+    try:
+        reg.start(poller)
+        stop, deadline = False, time.monotonic() + 5
+        while not stop and time.monotonic() < deadline:
+            for sock, _ in poller.poll(100):
+                stop = stop or reg.on_readable(sock, server)  # type: ignore[arg-type]
+        assert stop and server.exit_code == 3
+        assert "refused this worker's fleet key at the handshake" in caplog.text
+        assert fleet.poll(100) == 0 and zap.refused == 1  # its JoinReq was never read
+    finally:
+        reg.close()
+        fleet.close(0)
+        zap.stop()
+        ctx.term()
