@@ -102,7 +102,7 @@ def test_members_move_kv_over_curve_and_strangers_get_nothing_read(keyset: Path,
         for s in (plain, stranger):
             s.close(0)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)  # closes what a failed assertion left open
     # a member pinning decode's key: the transfer goes through (and decode still serves after the strangers)
     with ZmqTransport(keys=load_member(str(keyset), "prefill")) as tx:
         h, _ = _send(tx, str(decode._endpoint), public_key(str(keyset), "decode"))
@@ -139,7 +139,7 @@ def test_a_rogue_bound_where_prefill_connects_gets_no_frame(keyset: Path, rogue_
         assert rogue.poll(300) == 0  # not one frame reached the rogue
     finally:
         rogue.close(0)
-        ctx.term()
+        ctx.destroy(linger=0)  # closes what a failed assertion left open
 
 
 def test_deleting_a_public_key_revokes_that_member(keyset: Path, decode: ZmqTransport) -> None:
