@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvseal.auth.curve import check_bind
-from kvseal.auth.options import add_fleet_key_args, add_keys_command, member_keys, peer
+from kvseal.auth.options import add_fleet_key_args, add_keys_command, add_kv_channel_arg, member_keys, peer
 from kvseal.config import CacheConfig, EngineConfig, LedgerConfig, ModelConfig, SchedulerConfig, ServerConfig
 from kvseal.errors import KvsealError
 
@@ -174,7 +174,8 @@ def cmd_worker(a: argparse.Namespace) -> int:
         router=router, advertise_host=a.advertise_host, keys=keys, router_key=router_key,
         metrics_port=a.metrics_port, kv_transport=a.kv_transport,
         **({"transfer_timeout_s": a.transfer_timeout} if a.command == "prefill" else
-           {"kv_host": a.kv_host, "kv_port": a.kv_port, "reservation_timeout_s": a.reservation_timeout})))
+           {"kv_host": a.kv_host, "kv_port": a.kv_port, "reservation_timeout_s": a.reservation_timeout,
+            "kv_channel": a.kv_channel})))
 
 
 def fleet_host(a: argparse.Namespace, keys: MemberKeys | None) -> str:
@@ -311,7 +312,7 @@ def worker_specs(a: argparse.Namespace, cores: int) -> tuple[WorkerSpec, WorkerS
     p_threads, d_threads = worker_threads(a, cores)
     common = {"log_level": a.log_level, "test_faults": a.test_faults, "kv_transport": a.kv_transport}
     return (WorkerSpec(role="prefill", engine=prefill_cfg, threads=p_threads, **common),
-            WorkerSpec(role="decode", engine=cfg, threads=d_threads, **common))
+            WorkerSpec(role="decode", engine=cfg, threads=d_threads, kv_channel=a.kv_channel, **common))
 
 
 def worker_threads(a: argparse.Namespace, cores: int) -> tuple[int, int]:
@@ -411,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--fleet-port", type=int, default=0, help="as for `kvseal router`")
     serve.add_argument("--fleet-host", default=None, help="as for `kvseal router`")
     add_fleet_key_args(serve, serve=True)
+    add_kv_channel_arg(serve)
     add_kv_transport_arg(serve)
     add_test_faults_arg(serve)
     from kvseal.ledger.store import default_path
@@ -448,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
             w.add_argument("--kv-port", type=int, default=0, help="port for incoming KV (0: any free port)")
             w.add_argument("--reservation-timeout", type=float, default=120.0,
                            help="seconds a page reservation waits for its KV before it is released")
+            add_kv_channel_arg(w)
         w.set_defaults(func=cmd_worker)
 
     router = sub.add_parser("router", help="serve the OpenAI API in front of prefill and decode workers",

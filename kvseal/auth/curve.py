@@ -36,6 +36,14 @@ def as_server(sock: zmq.Socket[Any], keys: MemberKeys | None) -> None:
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
+def as_plain_server(sock: zmq.Socket[Any]) -> None:
+    """Before bind: ZeroMQ PLAIN, checked by the context's ZAP handler (the KV channel's session token,
+    kvseal/transfer/kvmac.py); no handler means no connection."""
+    sock.setsockopt(zmq.PLAIN_SERVER, 1)
+    sock.setsockopt(zmq.ZAP_DOMAIN, DOMAIN)
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+
+
 def as_client(sock: zmq.Socket[Any], keys: MemberKeys | None, server_key: str | None, what: str) -> None:
     """Before connect: with keys, CURVE client with this member's keypair, pinned to `server_key`."""
     if keys is None:

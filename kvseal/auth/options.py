@@ -28,6 +28,15 @@ def add_fleet_key_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
                    help="this process's member name in --fleet-keys (default: its role: router, prefill, decode)")
 
 
+def add_kv_channel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-channel", default="mac", choices=["mac", "curve"],
+                   help="with fleet keys and --kv-transport zmq, how the KV pages cross (the decode worker chooses; "
+                        "prefill follows its reservations): mac: in clear, every message with an HMAC and the "
+                        "connection with a session token (the KV transfer at near full speed); curve: encrypted "
+                        "(ZeroMQ CURVE; about half the KV transfer speed, docs/benchmarks.md). NIXL's offers are "
+                        "always encrypted; its UCX data path never is")
+
+
 def add_keys_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     keys = sub.add_parser("keys", help="write a fleet key set: one CURVE keypair per member (files 0600)",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)

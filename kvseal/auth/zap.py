@@ -9,6 +9,7 @@ the router learns the key of a worker that joins.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import secrets
 import threading
@@ -20,6 +21,8 @@ import zmq.utils.z85
 
 from kvseal.auth.keys import MemberKeys
 
+USER = b"kvseal-kv"  # the KV channel's PLAIN user name (kvseal/transfer/kvmac.py)
+
 log = logging.getLogger("kvseal.auth")
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"kvseal"
@@ -30,8 +33,9 @@ class ZapHandler:
     """A thread answering ZAP requests for `ctx` (a plain or asyncio context). Start it before any server
     socket of the context binds; stop it before the context terminates."""
 
-    def __init__(self, ctx: zmq.Context[Any], keys: MemberKeys, what: str) -> None:
+    def __init__(self, ctx: zmq.Context[Any], keys: MemberKeys, what: str, token: bytes | None = None) -> None:
         self.keys, self.what = keys, what
+        self.token = token  # PLAIN: the KV channel's session token (kvseal/transfer/kvmac.py), if it has one
         self.refused = 0  # handshakes refused (a key not on the allow-list, or not CURVE)
         self.accepted = 0
         self._base: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(ctx.underlying)
@@ -87,6 +91,10 @@ class ZapHandler:
         if len(frames) < 6:
             return [b"1.0", b"", b"500", b"malformed ZAP request", b"", b""]
         version, request_id, _domain, address, _rid, mechanism = frames[:6]
+        if (mechanism == b"PLAIN" and self.token is not None and len(frames) == 8 and frames[6] == USER
+                and hmac.compare_digest(frames[7], self.token)):
+            self.accepted += 1
+            return [version, request_id, b"200", b"OK", b"kv-session", b""]
         client = frames[6] if mechanism == b"CURVE" and len(frames) == 7 and len(frames[6]) == 32 else None
         public = zmq.utils.z85.encode(client).decode() if client is not None else ""
         if client is not None and self.allows(public):
@@ -103,7 +111,8 @@ class ZapHandler:
             return
         more = f" (and {self._unlogged} more since the last line)" if self._unlogged else ""
         log.warning("refused a connection to the %s from %s: %s%s", self.what, address,
-                    f"its key {public} is not on the fleet allow-list" if public else f"{mechanism} is not CURVE",
+                    f"its key {public} is not on the fleet allow-list" if public else
+                    f"no valid {mechanism} credentials",
                     more)
         self._logged_at, self._unlogged = now, 0
 

@@ -44,6 +44,7 @@ class WorkerClient:
         self.role, self.endpoint, self.check = role, endpoint, check
         self.registered = registered  # joined through the fleet socket (not on the router's command line)
         self.server_key = server_key  # the worker's fleet key, pinned (None without keys)
+        self.keys = keys
         self.sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         as_client(self.sock, keys, server_key, f"{role} worker at {endpoint}")
@@ -112,6 +113,10 @@ class WorkerClient:
             except CapacityMismatch as err:
                 self.member.move(Standing.REFUSED, err.message)
             else:
+                if self.revoked():
+                    self.member.move(Standing.REFUSED, f"its fleet key {self.server_key} is no longer on the "
+                                                       f"router's allow-list (revoked)")
+                    return
                 self.member.move(Standing.SERVING)
                 if info.get("draining"):
                     self.member.move(Standing.DRAINING, "it reports that it is draining")
@@ -145,6 +150,17 @@ class WorkerClient:
                 await self.join()  # a new process on this endpoint, or one coming back: checked before use
             elif st is Standing.SERVING and info.get("draining"):
                 self.member.move(Standing.DRAINING, "it reports that it is draining")
+            elif st is Standing.SERVING and self.revoked():
+                await self.join()  # out of rotation within a heartbeat of its key file's deletion
+
+    def revoked(self) -> bool:
+        """With fleet keys: the worker's key left the router's allow-list (an unreadable one counts as left)."""
+        if self.keys is None or self.server_key is None:
+            return False
+        try:
+            return not self.keys.admits(self.server_key)
+        except ValueError:
+            return True
 
     def _lose(self, why: str) -> None:
         st = self.member.standing

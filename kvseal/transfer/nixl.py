@@ -134,7 +134,8 @@ class NixlTransport(ZmqTransport):
                  name: str | None = None, keys: MemberKeys | None = None) -> None:
         api = nixl_api()
         super().__init__(timeout_s=timeout_s, mutate=mutate, hwm=hwm, io_threads=io_threads,
-                         max_frame_bytes=max_frame_bytes, keepalive_idle_s=keepalive_idle_s, keys=keys)
+                         max_frame_bytes=max_frame_bytes, keepalive_idle_s=keepalive_idle_s, keys=keys,
+                         encrypt=True)  # the offer names prefill's agent and pool: it crosses encrypted
         self.name = name or f"kvseal-{secrets.token_hex(8)}"
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
         self._errors = nixl_errors()

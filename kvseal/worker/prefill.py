@@ -139,7 +139,8 @@ class PrefillWorker(WorkerServer):
             return
         manifest, payload = self.pengine.package(h, job.reservation, staged=self.transport.staged)
         job.handle = self.transport.send(job.reservation.kv_endpoint, manifest, payload,
-                                         server_key=job.reservation.kv_key or None)
+                                         server_key=job.reservation.kv_key or None,
+                                         session=job.reservation.kv_session or None)
         job.nbytes, job.cached_tokens, job.sent_at = payload.nbytes, h.seq.cached_tokens, time.monotonic()
         self.counters["kv_bytes_sent"] += payload.nbytes
 

@@ -39,11 +39,14 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     # fleet keys: this worker's keypair and allow-list (kvseal/auth); None: plain ZeroMQ, loopback only
     keys: MemberKeys | None = None
     router_key: str | None = None  # with `router` and keys: the router's public key, pinned by the join
+    kv_channel: str = "mac"  # decode with keys, zmq transport: "mac" (KV bytes in clear, MACs) | "curve" (encrypted)
     v: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"invalid role={self.role!r}: use prefill or decode")
+        if self.kv_channel not in ("mac", "curve"):
+            raise ValueError(f"invalid kv_channel={self.kv_channel!r}: use mac or curve")
         if self.kv_transport not in ("zmq", "nixl"):
             raise ValueError(f"invalid kv_transport={self.kv_transport!r}: use zmq or nixl")
         if self.v != SPEC_VERSION:
@@ -84,7 +87,8 @@ def run_worker(spec: WorkerSpec) -> int:
                                spec.kv_transport, spec.keys)
     else:
         server = DecodeWorker(DecodeEngine(cfg), bind, f"tcp://{spec.kv_host or spec.host}:{spec.kv_port}", hooks,
-                              spec.reservation_timeout_s, spec.drain_timeout_s, spec.kv_transport, spec.keys)
+                              spec.reservation_timeout_s, spec.drain_timeout_s, spec.kv_transport, spec.keys,
+                              spec.kv_channel)
     if spec.metrics_port >= 0:
         logging.getLogger("kvseal").info("metrics on %s", server.metrics.serve(spec.host, spec.metrics_port))
     if spec.router:

@@ -1,7 +1,8 @@
 """A fleet started with `kvseal keys` keys (`--fleet-keys DIR` on every role), with real processes on loopback:
 a stranger connecting to a worker's control or KV port gets nothing read and nothing answered, and the worker
 serves fine afterwards; a router holding a wrong key for a worker never talks to it; a member joins through the
-fleet socket (the router then pins the key its join proved), a key off the allow-list is refused at the handshake."""
+fleet socket (the router then pins the key its join proved), a key off the allow-list is refused at the handshake,
+and deleting a member's public key takes it out of rotation."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvseal.auth.curve import as_client
 from kvseal.auth.keys import MemberKeys, fresh_member, load_member, public_key, write_key_set
+from kvseal.auth.zap import USER
 from kvseal.errors import WorkerFailed
 from kvseal.model.loader import load_tokenizer
 from kvseal.router.disagg import DisaggBackend
@@ -56,17 +58,22 @@ def _complete(fleet: Fleet) -> str | None:
     return r.choices[0].finish_reason
 
 
-def _stranger(endpoint: str, keys: MemberKeys | None, server_key: str | None) -> tuple[bool, bool]:
-    """(answered, refused at the handshake) for an InfoReq from a stranger: no key, or a key of its own."""
+def _stranger(endpoint: str, keys: MemberKeys | None, server_key: str | None,
+              token: bytes | None = None) -> tuple[bool, bool]:
+    """(answered, refused at the handshake) for an InfoReq from a stranger: no key, a key of its own, or (on a KV
+    port with MAC framing) a guessed session token."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     try:
         as_client(sock, keys, server_key, "stranger")
+        if token is not None:
+            sock.setsockopt(zmq.PLAIN_USERNAME, USER)
+            sock.setsockopt(zmq.PLAIN_PASSWORD, token)
         sock.connect(endpoint)
         sock.send(P.encode(P.InfoReq(call_id=1)))
-        refused, deadline = False, time.monotonic() + (3 if keys is not None else 0)
+        refused, deadline = False, time.monotonic() + (3 if keys is not None or token is not None else 0)
         while time.monotonic() < deadline and not refused:
             refused = monitor.poll(100) > 0 and recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
         return sock.poll(500) > 0, refused
@@ -80,13 +87,15 @@ def _stranger(endpoint: str, keys: MemberKeys | None, server_key: str | None) ->
 def test_strangers_get_nothing_from_the_control_and_kv_ports(fleet: Fleet) -> None:
     assert _complete(fleet) == "length"
     before = {w.role: w.info() for w in (fleet.prefill, fleet.decode)}
-    assert before["decode"]["fleet_auth"] == "curve"
-    ports = [(f"tcp://{fleet.prefill.endpoint}", "prefill"), (f"tcp://{fleet.decode.endpoint}", "decode"),
-             (before["decode"]["kv_endpoint"], "decode")]
-    for endpoint, member in ports:
+    assert before["decode"]["fleet_auth"] == "curve" and before["decode"]["kv_channel"] == "mac"
+    for endpoint, member in ((f"tcp://{fleet.prefill.endpoint}", "prefill"), (f"tcp://{fleet.decode.endpoint}", "decode")):
         assert _stranger(endpoint, None, None) == (False, False)  # no key: no handshake, nothing read
         # its own key, pinning the worker's real key: refused by the allow-list at the handshake
         assert _stranger(endpoint, fresh_member(), public_key(fleet.keys, member)) == (False, True)
+    kv = before["decode"]["kv_endpoint"]  # MAC framing: a session token, which only the reservations carry
+    assert _stranger(kv, None, None) == (False, False)
+    assert _stranger(kv, fresh_member(), public_key(fleet.keys, "decode")) == (False, False)  # CURVE: no match
+    assert _stranger(kv, None, None, token=b"0" * 64) == (False, True)
     after = {w.role: w.info() for w in (fleet.prefill, fleet.decode)}
     for role, refused in (("prefill", 1), ("decode", 2)):
         assert after[role]["auth_refused"] - before[role]["auth_refused"] == refused
@@ -133,3 +142,11 @@ def test_a_member_joins_and_a_key_off_the_allow_list_is_refused_at_the_handshake
     entries = {w["endpoint"]: w["state"] for w in info["workers"]}
     assert entries.get(f"tcp://127.0.0.1:{joined.port}") == "serving", entries
     assert rogue.endpoint not in entries and info["auth_refused"] >= 1
+    # revoking decode-2 (deleting its public key file) takes it out of rotation within a heartbeat
+    (Path(fleet.keys) / "public" / "decode-2.key").unlink()
+    wait_until(lambda: {w["endpoint"]: w for w in httpx.get(fleet.router.url + "/info", timeout=30).json()[
+        "workers"]}[f"tcp://127.0.0.1:{joined.port}"]["state"] == "refused", 15, "decode-2 refused once revoked")
+    entry = next(w for w in httpx.get(fleet.router.url + "/info", timeout=30).json()["workers"]
+                 if w["endpoint"] == f"tcp://127.0.0.1:{joined.port}")
+    assert "revoked" in entry["reason"], entry
+    assert _complete(fleet) == "length"  # the rest of the fleet serves on

@@ -1,6 +1,10 @@
-"""Fleet keys on the KV channel, over real sockets on 127.0.0.1 (both ends in this process): members move KV
-over CURVE; a stranger (no key, or a key off the allow-list) gets no frame read; a sender pins the receiver's
-key, so a rogue bound where it connects gets nothing; deleting a public key revokes that member."""
+"""Fleet keys on the KV channel, over real sockets on 127.0.0.1 (both ends in this process).
+
+Encrypted (`--kv-channel curve`, and NIXL's offers): members move KV over CURVE; a stranger (no key, or a key off
+the allow-list) gets no frame read; a sender pins the receiver's key, so a rogue bound where it connects gets
+nothing; deleting a public key revokes that member. MAC framing (the default for ZeroMQ's KV bytes): a stranger
+without the session token is refused at the handshake; a message whose tag does not check out (tampered, or
+untagged) is dropped unread and unanswered; an acknowledgement without the tag is not believed."""
 
 from __future__ import annotations
 
@@ -8,15 +12,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvseal.auth.curve import as_client, as_server
+from kvseal.auth.curve import as_client, as_plain_server, as_server
 from kvseal.auth.keys import MemberKeys, fresh_member, load_member, public_key, write_key_set
-from kvseal.auth.zap import ZapHandler
+from kvseal.auth.zap import USER, ZapHandler
 from kvseal.transfer.base import TransferHandle, TransferState, TransferStatus
+from kvseal.transfer.kvmac import KvMac, new_session
 from kvseal.transfer.manifest import (
     Reservation,
     build_manifest,
@@ -25,7 +31,7 @@ from kvseal.transfer.manifest import (
     new_reservation_id,
     pack_pages,
 )
-from kvseal.transfer.zmq import ZmqTransport
+from kvseal.transfer.zmq import TransferHeader, TransferReply, ZmqTransport
 from kvseal.worker.join import Registration
 
 pytestmark = pytest.mark.integration
@@ -40,14 +46,23 @@ def keyset(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def decode(keyset: Path) -> Iterator[ZmqTransport]:
-    rx = ZmqTransport(keys=load_member(str(keyset), "decode"))
+    rx = ZmqTransport(keys=load_member(str(keyset), "decode"), encrypt=True)
     rx.listen("tcp://127.0.0.1:0")
     yield rx
     rx.close()
 
 
-def _send(tx: ZmqTransport, endpoint: str, server_key: str | None,
-          timeout_s: float = 30.0) -> tuple[TransferHandle, Reservation]:
+@pytest.fixture
+def decode_mac(keyset: Path) -> Iterator[ZmqTransport]:
+    rx = ZmqTransport(keys=load_member(str(keyset), "decode"))
+    rx.listen("tcp://127.0.0.1:0")
+    assert rx.kv_session  # what its reservations carry
+    yield rx
+    rx.close()
+
+
+def _send(tx: ZmqTransport, endpoint: str, server_key: str | None, timeout_s: float = 30.0,
+          session: str | None = None) -> tuple[TransferHandle, Reservation]:
     k = torch.randn(L, P, S, KVH, D).to(torch.bfloat16)
     v = torch.randn(L, P, S, KVH, D).to(torch.bfloat16)
     res = Reservation(request_id="r1", reservation_id=new_reservation_id(), nonce=new_nonce(), num_tokens=2 * S,
@@ -56,7 +71,7 @@ def _send(tx: ZmqTransport, endpoint: str, server_key: str | None,
     payload = pack_pages(k, v, [3, 5])
     man = build_manifest(res, payload, num_tokens=2 * S, first_token=0, model_fingerprint="fp", page_size=S,
                          kv_dtype=res.kv_dtype, kv_layout="x")
-    return tx.send(res.kv_endpoint, man, payload, timeout_s=timeout_s, server_key=server_key), res
+    return tx.send(res.kv_endpoint, man, payload, timeout_s=timeout_s, server_key=server_key, session=session), res
 
 
 def _settle(tx: ZmqTransport, h: TransferHandle, rx: ZmqTransport | None, seconds: float) -> TransferStatus:
@@ -192,5 +207,73 @@ def test_a_worker_whose_key_the_router_refuses_stops_with_the_reason(keyset: Pat
     finally:
         reg.close()
         fleet.close(0)
+        zap.stop()
+        ctx.term()
+
+
+def _mac_stranger(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, token: bytes | None) -> zmq.Socket[bytes]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if token is not None:
+        sock.setsockopt(zmq.PLAIN_USERNAME, USER)
+        sock.setsockopt(zmq.PLAIN_PASSWORD, token)
+    sock.connect(endpoint)
+    return sock
+
+
+def test_the_mac_channel_drops_what_it_cannot_authenticate(keyset: Path, decode_mac: ZmqTransport) -> None:
+    rx, endpoint = decode_mac, str(decode_mac._endpoint)
+    decode_key = public_key(str(keyset), "decode")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        # a wrong token: refused by ZAP at the handshake; no credentials at all: no handshake
+        wrong = _mac_stranger(ctx, endpoint, b"0" * 64)
+        monitor = wrong.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        wrong.send_multipart([b"x", b"K", b"V", b"t" * 32])
+        assert _auth_failed(wrong, monitor)
+        _mac_stranger(ctx, endpoint, None).send_multipart([b"x", b"K", b"V"])
+        assert rx.recv(0.5) is None and rx.auth_refused == 1 and rx.frames_unauthenticated == 0
+        # the right token (seen on the wire by someone on the path) but a message that was changed after its
+        # tag, or carries none: dropped before a byte of it is read, and never answered
+        mac = KvMac(rx.kv_session)
+        tapper = _mac_stranger(ctx, endpoint, mac.token)
+        header, k, v = b"\x81\xabtransfer_id\xa1z", bytes(64), bytes(64)
+        tag = mac.tag([header, k, v])
+        tapper.send_multipart([header, b"\x01" + k[1:], v, tag])
+        tapper.send_multipart([header, k, v])
+        deadline = time.monotonic() + 5
+        while rx.frames_unauthenticated < 2 and time.monotonic() < deadline:
+            assert rx.recv(0.1) is None
+        assert rx.frames_unauthenticated == 2 and tapper.poll(300) == 0
+    finally:
+        ctx.destroy(linger=0)
+    # a member with the reservation's session: the transfer goes through, both ways tagged
+    with ZmqTransport(keys=load_member(str(keyset), "prefill")) as tx:
+        h, _ = _send(tx, endpoint, decode_key, session=rx.kv_session)
+        assert _settle(tx, h, rx, 30).state is TransferState.ACKED
+
+
+def test_an_acknowledgement_without_the_tag_is_not_believed(keyset: Path) -> None:
+    """A rogue at decode's endpoint sees the KV bytes (they cross in clear) but cannot fake decode's ack."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    session = new_session()
+    zap = ZapHandler(ctx, fresh_member(), "rogue", KvMac(session).token)  # it saw the token on the wire
+    rogue = ctx.socket(zmq.ROUTER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    as_plain_server(rogue)
+    port = rogue.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with ZmqTransport(keys=load_member(str(keyset), "prefill")) as tx:
+            h, _ = _send(tx, f"tcp://127.0.0.1:{port}", public_key(str(keyset), "decode"), timeout_s=2.0,
+                         session=session)
+            assert rogue.poll(5000)
+            peer, header, *_ = rogue.recv_multipart()
+            tid = msgspec.msgpack.decode(header, type=TransferHeader).transfer_id
+            ack = msgspec.msgpack.encode(TransferReply(transfer_id=tid, ok=True))
+            rogue.send_multipart([peer, ack])  # untagged
+            rogue.send_multipart([peer, ack, KvMac(new_session()).tag([ack])])  # tagged with another session
+            assert _settle(tx, h, None, 5).state is TransferState.TIMED_OUT
+    finally:
+        rogue.close(0)
         zap.stop()
         ctx.term()
