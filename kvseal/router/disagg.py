@@ -159,7 +159,10 @@ class DisaggBackend:
                 log.warning("dropping a malformed message on the fleet socket: %s", exc)
                 continue
             # with keys: the public key this member's handshake proved (set by the ZAP handler), else None
-            key = str(frames[1].get("User-Id")) if self.keys is not None else None
+            try:
+                key = str(frames[1].get("User-Id")) if self.keys is not None else None
+            except zmq.ZMQError:  # no proven key: not a member's message
+                continue
             if isinstance(msg, P.JoinReq):
                 self._tasks.append(asyncio.ensure_future(self._join(frames[0].bytes, msg, key or None)))
 

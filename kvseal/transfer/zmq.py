@@ -167,7 +167,7 @@ class ZmqTransport(Transport):
             self._done[handle.transfer_id] = _failed(
                 f"KV transfer of request {manifest.request_id!r} to {endpoint}: the send queue is full "
                 f"({self._hwm} transfers); the decode worker is not reading")
-        except (zmq.ZMQError, PermissionError) as e:
+        except (zmq.ZMQError, PermissionError, ValueError) as e:  # ValueError: an unreadable allow-list
             self._done[handle.transfer_id] = _failed(
                 f"KV transfer of request {manifest.request_id!r} to {endpoint} could not be sent: {e}")
         else:
