@@ -161,7 +161,8 @@ class DisaggBackend:
             # with keys: the public key this member's handshake proved (set by the ZAP handler), else None
             try:
                 key = str(frames[1].get("User-Id")) if self.keys is not None else None
-            except zmq.ZMQError:  # no proven key: not a member's message
+            except zmq.ZMQError:  # no proven key (the socket lost its CURVE?): not a member's message
+                log.error("dropping a message on the fleet socket from a peer whose key no handshake proved")
                 continue
             if isinstance(msg, P.JoinReq):
                 self._tasks.append(asyncio.ensure_future(self._join(frames[0].bytes, msg, key or None)))
