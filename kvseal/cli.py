@@ -181,7 +181,8 @@ def cmd_worker(a: argparse.Namespace) -> int:
 def fleet_host(a: argparse.Namespace, keys: MemberKeys | None) -> str:
     """Where the router's fleet socket binds; off loopback only with keys (ValueError naming the fix)."""
     host = a.fleet_host or a.host
-    check_bind(host, keys, "router's fleet port", "--fleet-host" if a.fleet_host else "--host (and --fleet-host)")
+    check_bind(host, keys, "router's fleet port (--fleet-host, default --host)", "--fleet-host" if a.fleet_host
+               else "--host")
     return str(host)
 
 
