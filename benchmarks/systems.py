@@ -29,13 +29,18 @@ SYSTEMS: dict[str, str] = {
     "vllm": "vLLM CPU bf16 (prefix cache on)",
     "hf": "transformers (static batches)",
     "llama-cpp-python": "llama-cpp-python (1 request at a time)",
+    "kvseal-disagg-nokeys": "kvseal disagg 1P+1D --fleet-keys off",
+    "kvseal-disagg-curve": "kvseal disagg 1P+1D --kv-channel curve",
 }
 # llama-cpp-python's server serves one request at a time: not a peer anyone deploys for concurrency, so it
-# runs only when named.
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "llama-cpp-python")
+# runs only when named; so do the fleet-key variants of kvseal-disagg (what the keys cost, docs/benchmarks.md).
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in ("llama-cpp-python", "kvseal-disagg-nokeys",
+                                                         "kvseal-disagg-curve"))
 KVSEAL_MODES = {"kvseal": ("--unified",), "kvseal-disagg": ("--prefill", "1", "--decode", "1"),
                 "kvseal-exact": ("--unified", "--arithmetic", "exact"),
-                "kvseal-torch": ("--unified", "--kernels", "torch")}
+                "kvseal-torch": ("--unified", "--kernels", "torch"),
+                "kvseal-disagg-nokeys": ("--prefill", "1", "--decode", "1", "--fleet-keys", "off"),
+                "kvseal-disagg-curve": ("--prefill", "1", "--decode", "1", "--kv-channel", "curve")}
 
 
 def default_peers_dir() -> str:

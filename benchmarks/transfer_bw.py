@@ -18,6 +18,9 @@ Modes, each the whole handoff as the workers run it:
   nixl-tcp   the same with UCX_TLS=tcp: what crosses hosts that have no RDMA
 and the same moves without the page checksums on either side (what the transport itself costs; the seals
 never run without them): zmq-move (pack, send, unpack), nixl-move, nixl-tcp-move (offer, READ).
+With fleet keys (kvseal/auth, what `kvseal serve` runs by default): zmq-mac (the default KV channel with keys: bytes
+in clear, an HMAC per message, transfer/kvmac.py), zmq-curve (`--kv-channel curve`: encrypted with ZeroMQ CURVE),
+nixl-curve (nixl with its offer and answers over CURVE).
 The default KV shape is SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64) in bfloat16.
 """
 
@@ -38,6 +41,7 @@ import msgspec
 import torch
 
 from benchmarks.common import host_info, markdown_table
+from kvseal.auth.keys import MemberKeys, fresh_member
 from kvseal.kv.allocator import pages_for
 from kvseal.transfer.base import TransferState, Transport, create_transport
 from kvseal.transfer.manifest import (
@@ -57,7 +61,8 @@ from kvseal.transfer.manifest import (
 )
 
 FP = "bench-fingerprint"
-MODES = ("raw", "zmq", "nixl", "nixl-tcp", "zmq-move", "nixl-move", "nixl-tcp-move")
+MODES = ("raw", "zmq", "nixl", "nixl-tcp", "zmq-move", "nixl-move", "nixl-tcp-move", "zmq-mac", "zmq-curve",
+         "nixl-curve")
 
 
 @dataclass(frozen=True)
@@ -81,14 +86,19 @@ class Shape:
         return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
 
 
-def _transport(mode: str, timeout_s: float = 600.0) -> Transport:
+def _keys(mode: str, own: MemberKeys, peer: MemberKeys) -> MemberKeys | None:
+    """The fleet keys of a -curve or -mac mode: this end's keypair, allowing the other end."""
+    return own.with_allowed((peer.public,)) if mode.endswith(("-curve", "-mac")) else None
+
+
+def _transport(mode: str, timeout_s: float = 600.0, keys: MemberKeys | None = None) -> Transport:
     if mode.startswith("zmq"):
-        return create_transport("zmq", timeout_s=timeout_s)
+        return create_transport("zmq", timeout_s=timeout_s, keys=keys, encrypt=mode == "zmq-curve")
     from kvseal.transfer.nixl import nixl_api
 
     nixl_api()  # imported first: it sets up its loggers, which would print one INFO line per agent
     logging.getLogger("nixl").setLevel(logging.WARNING)
-    return create_transport("nixl", timeout_s=timeout_s)
+    return create_transport("nixl", timeout_s=timeout_s, keys=keys)
 
 
 @contextmanager
@@ -109,7 +119,8 @@ def _ucx_tls(mode: str) -> Iterator[None]:
 # -- receiver processes (decode side) -----------------------------------------------------------------
 
 
-def _receiver(mode: str, shape: Shape, pool_pages: int, reservations: list[bytes], out: mp.Queue[object]) -> None:
+def _receiver(mode: str, shape: Shape, pool_pages: int, reservations: list[bytes], out: mp.Queue[object],
+              keys: bytes = b"null") -> None:
     pool_k, pool_v = shape.pool(pool_pages, seed=None)
     by_id = {r.request_id: r for r in (msgspec.msgpack.decode(b, type=Reservation) for b in reservations)}
 
@@ -118,9 +129,9 @@ def _receiver(mode: str, shape: Shape, pool_pages: int, reservations: list[bytes
         verify_identity(m, res, expected_fingerprint=FP)
         return res.page_ids
 
-    with _transport(mode) as rx:
+    with _transport(mode, keys=msgspec.json.decode(keys, type=MemberKeys | None)) as rx:
         rx.register(pool_k, pool_v)
-        out.put(rx.listen("tcp://127.0.0.1:0"))
+        out.put((rx.listen("tcp://127.0.0.1:0"), getattr(rx, "kv_session", "")))
         for _ in range(len(reservations)):
             arrival = None
             while arrival is None:
@@ -194,6 +205,9 @@ class Case:
 class _TransportRun:
     """One transport mode: its receiver process, its sender transport, and one reservation per round."""
 
+    endpoint: str
+    session: str  # the receiver's KV session (zmq-mac), else ""
+
     def __init__(self, mode: str, case: Case, rounds: int, ctx: mp.context.SpawnContext) -> None:
         s = case.shape
         self.mode, self.case = mode, case
@@ -203,11 +217,16 @@ class _TransportRun:
                     for i in range(rounds)]
         q: mp.Queue[object] = ctx.Queue()
         with _ucx_tls(mode):  # the receiver's agent and ours, both created under it
+            rx_keys, tx_keys = fresh_member(), fresh_member()
+            self.server_key = rx_keys.public if mode.endswith(("-curve", "-mac")) else None
             self.proc = ctx.Process(target=_receiver, args=(mode, s, case.pool_pages,
-                                                            [msgspec.msgpack.encode(r) for r in self.res], q))
+                                                            [msgspec.msgpack.encode(r) for r in self.res], q,
+                                                            msgspec.json.encode(_keys(mode, rx_keys, tx_keys))))
             self.proc.start()
-            self.endpoint = str(q.get(timeout=300))
-            self.tx = _transport(mode)
+            got = q.get(timeout=300)
+            assert isinstance(got, tuple)
+            self.endpoint, self.session = str(got[0]), str(got[1])
+            self.tx = _transport(mode, keys=_keys(mode, tx_keys, rx_keys))
             self.tx.register(case.k, case.v)
 
     def one(self, i: int) -> float:
@@ -220,7 +239,7 @@ class _TransportRun:
         payload = src.pack() if tx.staged else src
         if not move_only:
             man = _manifest(r, payload, case)
-        h = tx.send(self.endpoint, man, payload)
+        h = tx.send(self.endpoint, man, payload, server_key=self.server_key, session=self.session or None)
         while not (st := tx.poll(h)).done:
             time.sleep(0.0002)
         if st.state is not TransferState.ACKED:

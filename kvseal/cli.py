@@ -12,10 +12,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvseal.auth.curve import check_bind
+from kvseal.auth.options import add_fleet_key_args, add_keys_command, add_kv_channel_arg, member_keys, peer
 from kvseal.config import CacheConfig, EngineConfig, LedgerConfig, ModelConfig, SchedulerConfig, ServerConfig
 from kvseal.errors import KvsealError
 
 if TYPE_CHECKING:
+    from kvseal.auth.keys import MemberKeys
     from kvseal.router.disagg import DisaggBackend
     from kvseal.worker.run import WorkerSpec
 
@@ -123,7 +126,10 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--port", type=int, default=port, help="port to listen on")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="require a bearer key on every route but /health: FILE has one `TENANT KEY` line per key "
-                        "(# comments); the tenant keys the prefix cache. Without it: no keys, one tenant")
+                        "(# comments); the tenant keys the prefix cache. `TENANT KEY admin` marks an admin key: only "
+                        "those see the fleet's internals (/info's workers, /metrics, /doctor/probe); a tenant's "
+                        "/info shows the model, the window and its own requests. Without it: no keys, one tenant, "
+                        "everyone sees everything")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger bodies get 413")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="render chats with the jinja2 template in FILE instead of the model's own (as vLLM's "
@@ -132,10 +138,11 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
-    from kvseal.router.tenants import load_api_keys
+    from kvseal.router.tenants import read_key_file
 
-    keys = load_api_keys(a.api_keys) if a.api_keys is not None else ()
-    return ServerConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes, api_keys=keys)
+    keys, admins = read_key_file(a.api_keys) if a.api_keys is not None else ((), ())
+    return ServerConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes, api_keys=keys,
+                        admin_keys=admins)
 
 
 def chat_template(a: argparse.Namespace) -> str | None:
@@ -156,24 +163,40 @@ def chat_template(a: argparse.Namespace) -> str | None:
     return source
 
 
-def _endpoint(hostport: str) -> str:
-    return hostport if "://" in hostport else f"tcp://{hostport}"
-
-
 def cmd_worker(a: argparse.Namespace) -> int:
     from kvseal.worker.run import WorkerSpec, run_worker
 
+    keys = member_keys(a, a.command)
+    router, router_key = peer(a, a.router, keys, "router") if a.router else (None, None)
     return run_worker(WorkerSpec(
         role=a.command, engine=engine_config(a), host=a.host, port=a.port, threads=a.threads,
         log_level=a.log_level, test_faults=a.test_faults, drain_timeout_s=a.drain_timeout,
-        router=_endpoint(a.router) if a.router else None, advertise_host=a.advertise_host,
+        router=router, advertise_host=a.advertise_host, keys=keys, router_key=router_key,
         metrics_port=a.metrics_port, kv_transport=a.kv_transport,
         **({"transfer_timeout_s": a.transfer_timeout} if a.command == "prefill" else
-           {"kv_host": a.kv_host, "kv_port": a.kv_port, "reservation_timeout_s": a.reservation_timeout})))
+           {"kv_host": a.kv_host, "kv_port": a.kv_port, "reservation_timeout_s": a.reservation_timeout,
+            "kv_channel": a.kv_channel})))
+
+
+def fleet_host(a: argparse.Namespace, keys: MemberKeys | None) -> str:
+    """Where the router's fleet socket binds; off loopback only with keys (ValueError naming the fix)."""
+    host = a.fleet_host or a.host
+    check_bind(host, keys, "router's fleet port (--fleet-host, default --host)", "--fleet-host" if a.fleet_host
+               else "--host")
+    return str(host)
+
+
+def one_tenant_notice(scfg: ServerConfig) -> None:
+    if not scfg.api_keys:
+        logging.getLogger("kvseal").warning(
+            "no --api-keys: every client is one tenant and shares one prefix cache (a response's cached_tokens "
+            "shows which prompt prefixes anyone sent before), and /info and /metrics show the whole fleet to "
+            "everyone; give --api-keys FILE to keep tenants apart")
 
 
 def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], decode: list[str],
-               template: str | None) -> int:
+               template: str | None, keys: MemberKeys | None = None,
+               server_keys: dict[str, str] | None = None) -> int:
     import uvicorn
 
     from kvseal.faults import hooks_from_spec
@@ -193,9 +216,12 @@ def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], de
         tokenizer = tokenizer.with_chat_template(template)
     backend = DisaggBackend(tokenizer, a.served_model_name or name, prefill, decode,
                             max_model_len=a.max_model_len, hooks=hooks,
-                            fleet_bind=f"tcp://{a.fleet_host or a.host}:{a.fleet_port}", ledger=ledger)
-    logging.getLogger("kvseal").info("router on http://%s:%d: prefill %s, decode %s; ledger %s", scfg.host,
-                                     scfg.port, prefill, decode, path or "off")
+                            fleet_bind=f"tcp://{fleet_host(a, keys)}:{a.fleet_port}", ledger=ledger, keys=keys,
+                            server_keys=server_keys)
+    logging.getLogger("kvseal").info("router on http://%s:%d: prefill %s, decode %s; ledger %s; fleet %s", scfg.host,
+                                     scfg.port, prefill, decode, path or "off",
+                                     "authenticated and encrypted (CURVE)" if keys is not None else "without keys")
+    one_tenant_notice(scfg)
     try:  # seal 7 before the first request: a fleet that cannot hold the window never serves
         asyncio.run(_probe(backend))
     except KvsealError as err:
@@ -215,13 +241,17 @@ def cmd_drain(a: argparse.Namespace) -> int:
     """Ask a worker to drain: it takes no new request, finishes those in flight, then exits."""
     import zmq
 
+    from kvseal.auth.curve import as_client
     from kvseal.worker import protocol as P
 
+    keys = member_keys(a, "drain")
+    endpoint, key = peer(a, a.worker, keys, None)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(_endpoint(a.worker))
+        as_client(sock, keys, key, f"worker at {a.worker}")
+        sock.connect(endpoint)
         sock.send(P.encode(P.DrainReq(call_id=1)))
         deadline = time.monotonic() + a.timeout
         resp: P.Message | None = None
@@ -248,8 +278,13 @@ def cmd_router(a: argparse.Namespace) -> int:
     if not a.prefill or not a.decode:
         print("kvseal router: give at least one --prefill HOST:PORT and one --decode HOST:PORT", file=sys.stderr)
         return 2
-    return run_router(a, server_config(a), [_endpoint(x) for x in a.prefill], [_endpoint(x) for x in a.decode],
-                      chat_template(a))
+    keys = member_keys(a, "router")
+    fleet_host(a, keys)  # refused before anything starts
+    prefill = [peer(a, x, keys, "prefill") for x in a.prefill]
+    decode = [peer(a, x, keys, "decode") for x in a.decode]
+    server_keys = {ep: k for ep, k in prefill + decode if k is not None}
+    return run_router(a, server_config(a), [ep for ep, _ in prefill], [ep for ep, _ in decode], chat_template(a),
+                      keys, server_keys)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -258,9 +293,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from kvseal.launch import Fleet
 
     scfg, template = server_config(a), chat_template(a)  # a bad --api-keys or template: no worker starts
+    keys = member_keys(a, "router")  # fresh unless --fleet-keys DIR or off
+    fleet_host(a, keys)
     prefill_spec, decode_spec = worker_specs(a, os.cpu_count() or 1)
-    with Fleet(prefill_spec, decode_spec, a.prefill, a.decode) as fleet:
-        return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints, template)
+    with Fleet(prefill_spec, decode_spec, a.prefill, a.decode, keys) as fleet:
+        return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints, template, fleet.router_keys,
+                          fleet.server_keys)
 
 
 def worker_specs(a: argparse.Namespace, cores: int) -> tuple[WorkerSpec, WorkerSpec]:
@@ -275,7 +313,7 @@ def worker_specs(a: argparse.Namespace, cores: int) -> tuple[WorkerSpec, WorkerS
     p_threads, d_threads = worker_threads(a, cores)
     common = {"log_level": a.log_level, "test_faults": a.test_faults, "kv_transport": a.kv_transport}
     return (WorkerSpec(role="prefill", engine=prefill_cfg, threads=p_threads, **common),
-            WorkerSpec(role="decode", engine=cfg, threads=d_threads, **common))
+            WorkerSpec(role="decode", engine=cfg, threads=d_threads, kv_channel=a.kv_channel, **common))
 
 
 def worker_threads(a: argparse.Namespace, cores: int) -> tuple[int, int]:
@@ -318,6 +356,7 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
         "kv dtype %s, scrub %s, ledger %s", backend.model_name, info["model_fingerprint"], scfg.host, scfg.port,
         engine.context_window, engine.pool.capacity_tokens, engine.pool.num_pages, engine.pool.page_size,
         info["kv_dtype"], "on" if cfg.cache.scrub else "off", cfg.ledger.path or "off")
+    one_tenant_notice(scfg)
     metrics = RouterMetrics(backend)
     WorkerMetrics(EngineCollector(engine, labels={"endpoint": f"{scfg.host}:{scfg.port}"}), metrics.registry)
     app = build_app(MeteredBackend(backend, metrics), scfg)
@@ -373,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU threads per decode worker (default: as --prefill-threads)")
     serve.add_argument("--fleet-port", type=int, default=0, help="as for `kvseal router`")
     serve.add_argument("--fleet-host", default=None, help="as for `kvseal router`")
+    add_fleet_key_args(serve, serve=True)
+    add_kv_channel_arg(serve)
     add_kv_transport_arg(serve)
     add_test_faults_arg(serve)
     from kvseal.ledger.store import default_path
@@ -386,9 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
         w.add_argument("--host", default="127.0.0.1", help="address of the control socket")
         w.add_argument("--port", type=int, default=0, help="control port (0: any free port)")
         w.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-        w.add_argument("--router", default=None, metavar="HOST:PORT",
+        w.add_argument("--router", default=None, metavar="[NAME@]HOST:PORT",
                        help="join a running router at its fleet endpoint (its --fleet-port); the router checks "
-                            "this worker like one it started with (seal 7) and exits it with the reason if not")
+                            "this worker like one it started with (seal 7) and exits it with the reason if not. "
+                            "With --fleet-keys, NAME is the router's member (default: router), whose key the join "
+                            "pins")
+        add_fleet_key_args(w)
         w.add_argument("--metrics-port", type=int, default=0,
                        help="serve Prometheus /metrics on this port of --host (0: any free port, shown in the log "
                             "and in /info as metrics_endpoint; -1: none)")
@@ -407,15 +451,18 @@ def build_parser() -> argparse.ArgumentParser:
             w.add_argument("--kv-port", type=int, default=0, help="port for incoming KV (0: any free port)")
             w.add_argument("--reservation-timeout", type=float, default=120.0,
                            help="seconds a page reservation waits for its KV before it is released")
+            add_kv_channel_arg(w)
         w.set_defaults(func=cmd_worker)
 
     router = sub.add_parser("router", help="serve the OpenAI API in front of prefill and decode workers",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     router.add_argument("model", nargs="?", default=None, help="the checkpoint (for its tokenizer)")
-    router.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
-                        help="a prefill worker's control endpoint (repeatable)")
-    router.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
-                        help="a decode worker's control endpoint (repeatable)")
+    router.add_argument("--prefill", action="append", default=[], metavar="[NAME@]HOST:PORT",
+                        help="a prefill worker's control endpoint (repeatable); with --fleet-keys, NAME is its "
+                             "member (default: prefill), whose key the router pins")
+    router.add_argument("--decode", action="append", default=[], metavar="[NAME@]HOST:PORT",
+                        help="a decode worker's control endpoint (repeatable); NAME as for --prefill (default: "
+                             "decode)")
     router.add_argument("--max-model-len", type=int, default=None,
                         help="the context window to serve (default: the workers' model window)")
     router.add_argument("--served-model-name", default=None, help="the model id in the API")
@@ -424,15 +471,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "one chosen is in the log and in /info as fleet_endpoint)")
     router.add_argument("--fleet-host", default=None, help="address of the fleet port (default: --host)")
     add_server_args(router, 8000)
+    add_fleet_key_args(router)
     add_ledger_arg(router)
     add_test_faults_arg(router)
     router.set_defaults(func=cmd_router)
 
     drain = sub.add_parser("drain", help="drain a worker: it takes no new request, finishes those in flight, then "
                            "exits (as on SIGTERM)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    drain.add_argument("worker", metavar="HOST:PORT", help="the worker's control endpoint")
+    drain.add_argument("worker", metavar="[NAME@]HOST:PORT",
+                       help="the worker's control endpoint; with --fleet-keys, NAME is its member")
+    add_fleet_key_args(drain)
     drain.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the worker's answer")
     drain.set_defaults(func=cmd_drain)
+
+    add_keys_command(sub)
 
     from kvseal.audit.__main__ import add_audit_args  # argparse only; the audit loads when it runs
 

@@ -82,11 +82,14 @@ class ServerConfig:
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     # (SHA-256 of a key, its tenant) from --api-keys; empty: no auth, one tenant. Digests only, never keys.
     api_keys: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)  # digests of the api keys marked `admin`
 
     def __post_init__(self) -> None:
         _need(0 <= self.port < 65536, "port", self.port, "give a TCP port 0-65535")
         _need(all(len(d) == 64 and t for d, t in self.api_keys), "api_keys", f"{len(self.api_keys)} entries",
               "give (sha256 hex digest of a key, tenant name) pairs (kvseal.router.tenants.load_api_keys)")
+        _need(set(self.admin_keys) <= {d for d, _ in self.api_keys}, "admin_keys", f"{len(self.admin_keys)} entries",
+              "mark keys of the --api-keys file as admin (a third word `admin` on their line)")
         _need(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "give a positive size")
 
 

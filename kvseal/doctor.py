@@ -162,6 +162,10 @@ def run_doctor(a: argparse.Namespace) -> int:
         except (httpx.HTTPError, ValueError) as exc:
             print(f"kvseal doctor: cannot read {url}/info: {exc}", file=sys.stderr)
             return 2
+        if "role" not in info:  # a tenant's view (router/tenantview.py): no fleet to check
+            print(f"kvseal doctor: {url}/info shows this key only its own requests: give an admin key (a "
+                  f"`TENANT KEY admin` line of the router's --api-keys file) with --api-key", file=sys.stderr)
+            return 2
         print(f"kvseal doctor {url}: {info.get('role')}, model {info.get('model') or info.get('served_model_name')}"
               f", window {info.get('context_window')} tokens")
         print(table(url, info))

@@ -130,6 +130,12 @@ class CapacityMismatch(KvsealError):
     status, type, code = 500, "server_error", "capacity_mismatch"
 
 
+class PermissionDenied(KvsealError):
+    """An API key that may not see this (the fleet's internals are for admin keys)."""
+
+    status, type, code = 403, "invalid_request_error", "permission_denied"
+
+
 class InternalError(KvsealError):
     status, type, code = 500, "server_error", "internal_error"
 

@@ -1,4 +1,9 @@
-"""`kvseal serve`'s fleet: prefill and decode worker processes on loopback, stopped with the router."""
+"""`kvseal serve`'s fleet: prefill and decode worker processes on loopback, stopped with the router.
+
+With fleet keys (the default), each worker gets a fresh keypair made here, in memory, and an allow-list of the
+router's and its fellow workers' public keys, in its WorkerSpec on stdin (never argv or the environment); the
+router pins each worker's key (`server_keys`) and allow-lists them all (`router_keys`).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
 import msgspec
+
+from kvseal.auth.keys import MemberKeys, fresh_member
 
 if TYPE_CHECKING:
     from kvseal.worker.run import WorkerSpec
@@ -28,22 +35,37 @@ def _free_port() -> int:
 class Fleet:
     """Each worker is `python -m kvseal.worker.run` with its WorkerSpec (JSON) on stdin, on a loopback port."""
 
-    def __init__(self, prefill: WorkerSpec, decode: WorkerSpec, num_prefill: int, num_decode: int) -> None:
+    def __init__(self, prefill: WorkerSpec, decode: WorkerSpec, num_prefill: int, num_decode: int,
+                 router_keys: MemberKeys | None = None) -> None:
         if num_prefill < 1 or num_decode < 1:
             raise ValueError(f"invalid --prefill {num_prefill} / --decode {num_decode}: give at least 1 of each")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.prefill_endpoints: list[str] = []
         self.decode_endpoints: list[str] = []
+        self.server_keys: dict[str, str] = {}  # worker control endpoint -> its public key
+        self.router_keys = router_keys
+        members = [fresh_member() for _ in range(num_prefill + num_decode)] if router_keys is not None else []
+        if router_keys is not None:
+            fleet = (router_keys.public, *(m.public for m in members))
+            self.router_keys = router_keys.with_allowed(fleet)
+            # the router's folder allow-list (serve --fleet-keys DIR), if any, admits workers that join later
+            members = [msgspec.structs.replace(m, allowed_dir=router_keys.allowed_dir).with_allowed(fleet)
+                       for m in members]
         for spec, n, eps in ((prefill, num_prefill, self.prefill_endpoints),
                              (decode, num_decode, self.decode_endpoints)):
             for _ in range(n):
                 port = _free_port()
                 eps.append(f"tcp://127.0.0.1:{port}")
+                mine = msgspec.structs.replace(spec, port=port)
+                if members:
+                    mine = msgspec.structs.replace(mine, keys=members.pop())
+                    assert mine.keys is not None
+                    self.server_keys[eps[-1]] = mine.keys.public
                 proc = subprocess.Popen([sys.executable, "-m", "kvseal.worker.run"], stdin=subprocess.PIPE,
                                         env={**os.environ, LAUNCHER_PID_ENV: str(os.getpid())})
                 self.procs.append(proc)
                 assert proc.stdin is not None
-                proc.stdin.write(msgspec.json.encode(msgspec.structs.replace(spec, port=port)))
+                proc.stdin.write(msgspec.json.encode(mine))
                 proc.stdin.close()
 
     def __enter__(self) -> Self:

@@ -115,14 +115,15 @@ class DecodeEngine(Engine):
         self.landing: dict[str, tuple[Sequence, Reservation]] = {}
         self.quarantined: dict[str, Sequence] = {}  # ended while landing: pages still owned, freed at its end
 
-    def reserve(self, req: GenerateRequest, timeout_s: float, kv_endpoint: str) -> Reservation:
+    def reserve(self, req: GenerateRequest, timeout_s: float, kv_endpoint: str, kv_key: str = "",
+                kv_session: str = "") -> Reservation:
         """Set pages aside for the prompt's KV. Raises the request's error (nothing is held) on refusal."""
         seq = self._reserve_pages(req, timeout_s)
         res = Reservation(
             request_id=req.request_id, reservation_id=new_reservation_id(), nonce=new_nonce(),
             num_tokens=len(req.prompt_ids), page_ids=list(seq.pages), model_fingerprint=self.fingerprint,
             page_size=self.pool.page_size, kv_dtype=dtype_name(self.kv_dtype), kv_layout=self.kv_layout,
-            kv_endpoint=kv_endpoint)
+            kv_endpoint=kv_endpoint, kv_key=kv_key, kv_session=kv_session)
         self.reservations[req.request_id] = res
         if self.forensics is not None:
             self.forensics.log_of(seq).reservation_id = res.reservation_id

@@ -1,4 +1,4 @@
-"""The router's metrics, on its own HTTP port at /metrics (behind --api-keys like every route but /health).
+"""The router's metrics, on its own HTTP port at /metrics (with --api-keys: admin keys only).
 
     kvseal:time_to_first_token_seconds, kvseal:inter_token_latency_seconds, kvseal:e2e_request_latency_seconds
                                                  histograms, as vLLM's (measured at the router, per request)
@@ -18,7 +18,7 @@ from collections import Counter as Tally
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -37,6 +37,7 @@ from kvseal.model.tokenizer import Tokenizer
 from kvseal.router.backend import Backend
 from kvseal.router.membership import Standing
 from kvseal.router.requestlog import trace_of
+from kvseal.router.tenantview import require_admin
 
 # vLLM's buckets
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -168,10 +169,12 @@ class HttpOutcomes:
 
 
 def install(app: FastAPI, metrics: RouterMetrics) -> None:
-    """GET /metrics and the outcome counter on an app built by router.api.build_app."""
+    """GET /metrics (admin keys only: it shows every tenant's load and the fleet) and the outcome counter on an
+    app built by router.api.build_app."""
     app.add_middleware(HttpOutcomes, metrics=metrics)
 
-    async def exposition() -> Response:
+    async def exposition(request: Request) -> Response:
+        require_admin(request, "/metrics")
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     app.add_api_route("/metrics", exposition, methods=["GET"], include_in_schema=False)

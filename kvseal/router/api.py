@@ -26,6 +26,7 @@ from kvseal.router.http_errors import install_error_handlers
 from kvseal.router.requestlog import RequestLog
 from kvseal.router.routes import generate, status, tokens
 from kvseal.router.tenants import TenantAuth
+from kvseal.router.tenantview import TenantFigures, new_figures
 
 
 def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
@@ -41,7 +42,9 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
     app.state.backend = backend  # the routes read it through routes/deps.py
     app.state.grammars = Grammars(backend.tokenizer, backend.tokenizer.vocab_size)  # response_format checks
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
-    app.add_middleware(TenantAuth, api_keys=cfg.api_keys)  # added late: runs before any body is read
+    app.state.tenant_figures = new_figures()  # each tenant's own requests, for its /info (router/tenantview.py)
+    app.add_middleware(TenantFigures, figures=app.state.tenant_figures)  # inside TenantAuth: knows the tenant
+    app.add_middleware(TenantAuth, api_keys=cfg.api_keys, admin_keys=cfg.admin_keys)  # runs before any body is read
     app.add_middleware(RequestLog)  # added last: outermost, it sees every response
     install_error_handlers(app)
     for module in (status, generate, tokens):

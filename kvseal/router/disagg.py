@@ -9,6 +9,10 @@ worker that dies or goes silent fails its requests at once, and a started handof
 The fleet stays sealed after start (seal 7): a worker gets requests only while it is SERVING, which it reaches
 only by passing the full check (router/registry.py check_worker) whenever it connects, reconnects, registers
 through the fleet socket (`kvseal prefill|decode --router`), or answers as a new process.
+
+With fleet keys (kvseal/auth) every socket here is CURVE both ways: the router pins each worker's key when it
+connects (`server_keys`; a joining worker's key is the one its join handshake proved), and the fleet socket
+completes a handshake only with allow-listed members, so a stranger's JoinReq is never read.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvseal.auth.curve import as_server
+from kvseal.auth.keys import MemberKeys
+from kvseal.auth.zap import ZapHandler
 from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.errors import (
     CapacityMismatch,
@@ -55,7 +62,8 @@ class DisaggBackend:
     def __init__(self, tokenizer: Tokenizer, model_name: str | None, prefill: list[str], decode: list[str],
                  max_model_len: int | None = None, startup_timeout_s: float = 300.0,
                  handoff_timeout_s: float = 600.0, stall_timeout_s: float = 120.0, renew_every_s: float = 10.0,
-                 hooks: Hooks = NO_FAULTS, fleet_bind: str | None = None, ledger: Ledger | None = None) -> None:
+                 hooks: Hooks = NO_FAULTS, fleet_bind: str | None = None, ledger: Ledger | None = None,
+                 keys: MemberKeys | None = None, server_keys: dict[str, str] | None = None) -> None:
         self.tokenizer = tokenizer
         self._name = model_name
         self.model_name = model_name or ""
@@ -68,6 +76,9 @@ class DisaggBackend:
         self.fleet_bind = fleet_bind
         self.ledger = ledger  # the forensic ledger: one row per ended request (kvseal/ledger)
         self.fleet_endpoint: str | None = None
+        self.keys = keys  # the router's fleet keys; None: plain ZeroMQ (loopback only)
+        self.server_keys = dict(server_keys or {})  # worker control endpoint -> its fleet public key (pinned)
+        self._zap: ZapHandler | None = None
         self.context_window = 0
         self.spec: FleetSpec | None = None
         self.prefills: list[WorkerClient] = []
@@ -83,6 +94,8 @@ class DisaggBackend:
     # -- fleet ----------------------------------------------------------------------------------------
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
+        if self.keys is not None:  # before any server socket binds: no handshake goes unchecked
+            self._zap = ZapHandler(self._ctx, self.keys, "router's fleet port")
         self.prefills = [self._client("prefill", ep) for ep in self.prefill_eps]
         self.decodes = [self._client("decode", ep) for ep in self.decode_eps]
         workers = self.prefills + self.decodes
@@ -116,6 +129,7 @@ class DisaggBackend:
         if self.fleet_bind is not None:
             self._fleet_sock = self._ctx.socket(zmq.ROUTER)
             self._fleet_sock.setsockopt(zmq.LINGER, 0)
+            as_server(self._fleet_sock, self.keys)
             self._fleet_sock.bind(self.fleet_bind)
             self.fleet_endpoint = self._fleet_sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self._tasks.append(asyncio.ensure_future(self._fleet_loop()))
@@ -123,9 +137,10 @@ class DisaggBackend:
                  self.model_name, len(self.prefills), len(self.decodes), self.context_window,
                  self.fleet_endpoint or "(no fleet socket)")
 
-    def _client(self, role: str, endpoint: str, registered: bool = False) -> WorkerClient:
+    def _client(self, role: str, endpoint: str, registered: bool = False, key: str | None = None) -> WorkerClient:
         assert self._ctx is not None
-        return WorkerClient(role, endpoint, self._ctx, self._check, registered=registered)
+        return WorkerClient(role, endpoint, self._ctx, self._check, registered=registered, keys=self.keys,
+                            server_key=key or self.server_keys.get(endpoint))
 
     def _check(self, w: WorkerClient, info: dict[str, Any]) -> None:
         assert self.spec is not None
@@ -135,27 +150,36 @@ class DisaggBackend:
         """Workers started with --router ask to join here; each is checked in full before its answer."""
         assert self._fleet_sock is not None
         while True:
-            frames = await self._fleet_sock.recv_multipart()
+            frames = await self._fleet_sock.recv_multipart(copy=False)
             if len(frames) != 2:
                 continue
             try:
-                msg = P.decode(frames[1])
+                msg = P.decode(frames[1].bytes)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.warning("dropping a malformed message on the fleet socket: %s", exc)
                 continue
+            # with keys: the public key this member's handshake proved (set by the ZAP handler), else None
+            try:
+                key = str(frames[1].get("User-Id")) if self.keys is not None else None
+            except zmq.ZMQError:  # no proven key (the socket lost its CURVE?): not a member's message
+                log.error("dropping a message on the fleet socket from a peer whose key no handshake proved")
+                continue
             if isinstance(msg, P.JoinReq):
-                self._tasks.append(asyncio.ensure_future(self._join(frames[0], msg)))
+                self._tasks.append(asyncio.ensure_future(self._join(frames[0].bytes, msg, key or None)))
 
-    async def _join(self, ident: bytes, req: P.JoinReq) -> None:
+    async def _join(self, ident: bytes, req: P.JoinReq, key: str | None = None) -> None:
         assert self._fleet_sock is not None
         accepted, reason = False, ""
+        pool = self.prefills if req.role == "prefill" else self.decodes
+        w = next((x for x in pool if x.endpoint == req.endpoint), None)
         if req.role not in ("prefill", "decode") or not req.endpoint.startswith("tcp://"):
             reason = f"a join needs role prefill or decode and a tcp:// endpoint, got {req.role!r} {req.endpoint!r}"
+        elif w is not None and w.server_key != key:
+            reason = (f"{req.endpoint} belongs to a fleet member with another key; a worker joins only at its own "
+                      f"endpoint (give it a free --port, or restart the router to replace that member)")
         else:
-            pool = self.prefills if req.role == "prefill" else self.decodes
-            w = next((x for x in pool if x.endpoint == req.endpoint), None)
             if w is None:
-                w = self._client(req.role, req.endpoint, registered=True)
+                w = self._client(req.role, req.endpoint, registered=True, key=key)
                 pool.append(w)
                 w.open()
                 w.watch()
@@ -174,6 +198,8 @@ class DisaggBackend:
             await w.close()
         if self._fleet_sock is not None:
             self._fleet_sock.close(0)
+        if self._zap is not None:
+            self._zap.stop()
         if self._ctx is not None:
             self._ctx.term()
 
@@ -196,6 +222,8 @@ class DisaggBackend:
                 "kv_transport": serving[0].get("kv_transport"),
                 "tokenizer_digest": self.spec.tokenizer_digest if self.spec else None,
                 "test_faults": self.hooks.spec, "fleet_endpoint": self.fleet_endpoint,
+                "fleet_auth": "curve" if self.keys is not None else "off",
+                "auth_refused": self._zap.refused if self._zap is not None else 0,
                 "live_requests": len(self.lifecycles), "ended": dict(self.ended),
                 "routed_by_prefix": self.affinity.routed_by_prefix, "workers": workers}
 

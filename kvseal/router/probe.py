@@ -2,7 +2,7 @@
 
 The answer is the pair's output token ids (or its OpenAI-shaped error with the status), so the doctor can check that
 every pair of the fleet gives the same greedy tokens. Without `prefill` and `decode` the backend pairs as usual
-(a unified server has no pairs). Behind --api-keys like every route but /health; probes are not in /metrics.
+(a unified server has no pairs). With --api-keys, admin keys only (it names workers); probes are not in /metrics.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.errors import InvalidRequest, KvsealError
 from kvseal.router.backend import Backend
+from kvseal.router.tenantview import require_admin
 from kvseal.router.text import encode_text
 
 PROBE_PROMPT = "The capital of France is"
@@ -26,6 +27,7 @@ PROBE_TOKENS = 8
 def install_probe(app: FastAPI, backend: Backend) -> None:
     @app.post("/doctor/probe", include_in_schema=False)
     async def probe(request: Request, prefill: str | None = None, decode: str | None = None) -> Any:
+        require_admin(request, "/doctor/probe")
         if (prefill is None) != (decode is None):
             raise InvalidRequest("give both prefill and decode endpoints, or neither", param="prefill")
         ids = await encode_text(backend.tokenizer, PROBE_PROMPT, add_special_tokens=True)

@@ -1,9 +1,11 @@
 """Tenants from API keys: `--api-keys FILE` and the HTTP middleware that turns a bearer key into a tenant.
 
-The file has one line per key, `TENANT KEY`, and `#` comments. Keys are kept only as SHA-256 digests from the
-moment the file is read, and no message, log line or /info field ever holds a key (or a line of the file).
-Without the flag there is one tenant, "", and no key is asked for. The tenant travels with each request to
-every worker; prefix caches are keyed by it (seal 9).
+The file has one line per key, `TENANT KEY`, and `#` comments; `TENANT KEY admin` makes that key an admin key
+too: only admin keys see the fleet's internals (/info's workers and endpoints, /metrics, /doctor/probe;
+router/tenantview.py). Keys are kept only as SHA-256 digests from the moment the file is read, and no message, log
+line or /info field ever holds a key (or a line of the file). Without the flag there is one tenant, "", no key
+is asked for, and every client sees everything (the server says so at start). The tenant travels with each
+request to every worker; prefix caches are keyed by it (seal 9).
 """
 
 from __future__ import annotations
@@ -26,45 +28,56 @@ def key_digest(key: str) -> str:
 
 def load_api_keys(path: str) -> tuple[tuple[str, str], ...]:
     """(key digest, tenant) for each key in the file. Errors name the file and line, never its content."""
+    return read_key_file(path)[0]
+
+
+def read_key_file(path: str) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """((key digest, tenant) per key, digests of the admin keys)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"invalid --api-keys={path!r}: cannot read it as UTF-8 text ({type(exc).__name__}); "
                          f"give a file with one `TENANT KEY` line per key") from None
     out: dict[str, str] = {}
+    admins: list[str] = []
     first_line: dict[str, int] = {}
     for n, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         parts = line.split()
-        if len(parts) != 2 or not _TENANT.fullmatch(parts[0]):
-            raise ValueError(f"invalid --api-keys={path!r} line {n}: expected `TENANT KEY` (a tenant name of "
-                             f"letters, digits and _.@:- up to 64 characters, a space, then the key)")
+        if len(parts) not in (2, 3) or not _TENANT.fullmatch(parts[0]) or parts[2:] not in ([], ["admin"]):
+            raise ValueError(f"invalid --api-keys={path!r} line {n}: expected `TENANT KEY` or `TENANT KEY admin` "
+                             f"(a tenant name of letters, digits and _.@:- up to 64 characters, a space, the key, "
+                             f"and `admin` for a key that may see the fleet's internals)")
         digest = key_digest(parts[1])
         if digest in out:
             raise ValueError(f"invalid --api-keys={path!r} line {n}: the same key as line {first_line[digest]}; "
                              f"each key names one tenant")
         out[digest], first_line[digest] = parts[0], n
+        if parts[2:] == ["admin"]:
+            admins.append(digest)
     if not out:
         raise ValueError(f"invalid --api-keys={path!r}: the file holds no `TENANT KEY` line; add one per key, or "
                          f"leave the flag out to serve without keys (one tenant)")
-    return tuple(out.items())
+    return tuple(out.items()), tuple(admins)
 
 
 class TenantAuth:
     """ASGI middleware: every route but /health needs `Authorization: Bearer KEY` naming a known key; the
-    tenant goes into request.state.tenant. A missing or unknown key gets 401 in OpenAI's error shape."""
+    tenant goes into request.state.tenant, and whether it is an admin key into request.state.admin (every
+    client is admin on a server without keys). A missing or unknown key gets 401 in OpenAI's error shape."""
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: tuple[tuple[str, str], ...], admin_keys: tuple[str, ...] = ()) -> None:
         self.app = app
         self.tenants = dict(api_keys)
+        self.admins = frozenset(admin_keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        tenant = ""
+        tenant, admin = "", not self.tenants
         if self.tenants and scope["path"] not in OPEN_PATHS:
             headers = dict(scope.get("headers") or [])
             scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").strip().partition(" ")
@@ -77,8 +90,8 @@ class TenantAuth:
                 await _unauthorized(send, "Incorrect API key provided. Use a key from the server's --api-keys "
                                           "file.")
                 return
-            tenant = found
-        scope.setdefault("state", {})["tenant"] = tenant
+            tenant, admin = found, key_digest(key.strip()) in self.admins
+        scope.setdefault("state", {}).update(tenant=tenant, admin=admin)
         await self.app(scope, receive, send)
 
 

@@ -6,6 +6,9 @@ backend hands in as `check`: when it is first admitted, and again whenever it co
 a new process (another instance id). A dropped connection, or no answer to the heartbeat, fails its requests at
 once. Deltas must arrive numbered 0, 1, 2, ... per request: a gap, a repeat or a reordering ends that request
 FAILED (StreamBroken) instead of passing on an answer with text missing.
+
+With fleet keys the DEALER is a CURVE client pinned to the worker's own key (`server_key`): a process at that
+endpoint without the worker's secret key completes no handshake, so it never gets a frame from the router.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvseal.auth.curve import as_client
+from kvseal.auth.keys import MemberKeys
 from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import CapacityMismatch, ErrorInfo, StreamBroken, WorkerFailed
 from kvseal.router.membership import Membership, Standing
@@ -34,11 +39,15 @@ Check = Callable[["WorkerClient", dict[str, Any]], None]
 
 class WorkerClient:
     def __init__(self, role: str, endpoint: str, ctx: zmq.asyncio.Context, check: Check,
-                 heartbeat_s: float = 1.0, dead_after_s: float = 60.0, registered: bool = False) -> None:
+                 heartbeat_s: float = 1.0, dead_after_s: float = 60.0, registered: bool = False,
+                 keys: MemberKeys | None = None, server_key: str | None = None) -> None:
         self.role, self.endpoint, self.check = role, endpoint, check
         self.registered = registered  # joined through the fleet socket (not on the router's command line)
+        self.server_key = server_key  # the worker's fleet key, pinned (None without keys)
+        self.keys = keys
         self.sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        as_client(self.sock, keys, server_key, f"{role} worker at {endpoint}")
         self.sock.connect(endpoint)
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
         self.member = Membership(self.name)
@@ -104,6 +113,10 @@ class WorkerClient:
             except CapacityMismatch as err:
                 self.member.move(Standing.REFUSED, err.message)
             else:
+                if self.revoked():
+                    self.member.move(Standing.REFUSED, f"its fleet key {self.server_key} is no longer on the "
+                                                       f"router's allow-list (revoked)")
+                    return
                 self.member.move(Standing.SERVING)
                 if info.get("draining"):
                     self.member.move(Standing.DRAINING, "it reports that it is draining")
@@ -137,6 +150,17 @@ class WorkerClient:
                 await self.join()  # a new process on this endpoint, or one coming back: checked before use
             elif st is Standing.SERVING and info.get("draining"):
                 self.member.move(Standing.DRAINING, "it reports that it is draining")
+            elif st is Standing.SERVING and self.revoked():
+                await self.join()  # out of rotation within a heartbeat of its key file's deletion
+
+    def revoked(self) -> bool:
+        """With fleet keys: the worker's key left the router's allow-list (an unreadable one counts as left)."""
+        if self.keys is None or self.server_key is None:
+            return False
+        try:
+            return not self.keys.admits(self.server_key)
+        except ValueError:
+            return True
 
     def _lose(self, why: str) -> None:
         st = self.member.standing

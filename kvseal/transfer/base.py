@@ -118,9 +118,11 @@ class Transport(ABC):
 
     @abstractmethod
     def send(self, endpoint: str, manifest: KVManifest, payload: PagePayload | PoolPages, *,
-             timeout_s: float | None = None) -> TransferHandle:
+             timeout_s: float | None = None, server_key: str | None = None,
+             session: str | None = None) -> TransferHandle:
         """Start sending; never blocks on the peer. The payload (or the pages) must not be modified until the
-        transfer is done (acked, refused, timed out) or aborted."""
+        transfer is done (acked, refused, timed out) or aborted. With fleet keys: server_key is the receiver's
+        key (its reservation's kv_key), pinned; session its reservation's kv_session (MAC framing), if any."""
 
     @abstractmethod
     def poll(self, handle: TransferHandle) -> TransferStatus:

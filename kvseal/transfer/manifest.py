@@ -69,6 +69,8 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     kv_dtype: str  # "bfloat16", "float32", ... (see dtype_name)
     kv_layout: str  # opaque layout string, e.g. "L30xPxSx3x64"
     kv_endpoint: str  # where to send the pages, e.g. "tcp://127.0.0.1:5555"
+    kv_key: str = ""  # the decode worker's fleet public key (Z85): prefill pins it; "" in a fleet without keys
+    kv_session: str = ""  # decode's KV session (hex): the channel's MAC framing (transfer/kvmac.py); "": CURVE
     v: int = SCHEMA_VERSION
 
 

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import zmq
 
+from kvseal.auth.keys import MemberKeys
 from kvseal.errors import ErrorInfo, KvsealError, TransferTimeout, TransferVerificationFailed, WorkerFailed
 from kvseal.transfer.base import Arrival, Claim, TransferHandle
 from kvseal.transfer.manifest import SCHEMA_VERSION, KVManifest, PoolPages, page_nbytes
@@ -130,10 +131,11 @@ class NixlTransport(ZmqTransport):
 
     def __init__(self, *, timeout_s: float = 30.0, mutate: Mutate | None = None, hwm: int = 1000,
                  io_threads: int = 1, max_frame_bytes: int | None = 16 * 2**20, keepalive_idle_s: int = 30,
-                 name: str | None = None) -> None:
+                 name: str | None = None, keys: MemberKeys | None = None) -> None:
         api = nixl_api()
         super().__init__(timeout_s=timeout_s, mutate=mutate, hwm=hwm, io_threads=io_threads,
-                         max_frame_bytes=max_frame_bytes, keepalive_idle_s=keepalive_idle_s)
+                         max_frame_bytes=max_frame_bytes, keepalive_idle_s=keepalive_idle_s, keys=keys,
+                         encrypt=True)  # the offer names prefill's agent and pool: it crosses encrypted
         self.name = name or f"kvseal-{secrets.token_hex(8)}"
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
         self._errors = nixl_errors()

@@ -5,6 +5,13 @@ Wire, per transfer: DEALER (sender, one per destination endpoint) -> ROUTER (rec
 sent with copy=False, so libzmq reads straight from the payload's contiguous buffers; the payload must not be
 modified after send(). The receiver answers on the same connection with one TransferReply (msgpack).
 No pickles: a frame that does not decode into the expected struct is refused.
+With fleet keys (`keys`) the channel is authenticated both ways, in one of two ways the receiver chooses (its
+reservations say which, so the sender follows):
+- "mac" (default for this transport): KV bytes in clear, an HMAC on every message both ways and a session token
+  at the handshake (kvmac.py; the session travels in the reservation over the CURVE control channels): a frame
+  without the tag is dropped unread, an unknown peer is refused at the handshake;
+- "curve" (`encrypt`, and always for NIXL's offers): ZeroMQ CURVE; the receiver takes only allow-listed members,
+  the sender pins the receiver's key (the reservation's `kv_key`).
 
 Threading: one instance per thread (ZeroMQ sockets are not thread-safe); see base.Transport.
 """
@@ -20,8 +27,12 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from kvseal.auth.curve import as_client, as_plain_server, as_server
+from kvseal.auth.keys import MemberKeys
+from kvseal.auth.zap import USER, ZapHandler
 from kvseal.errors import ErrorInfo, TransferTimeout, TransferVerificationFailed, WorkerFailed
 from kvseal.transfer.base import Arrival, Claim, TransferHandle, TransferState, TransferStatus, Transport
+from kvseal.transfer.kvmac import KvMac, new_session
 from kvseal.transfer.manifest import SCHEMA_VERSION, KVManifest, PagePayload, PoolPages
 
 log = logging.getLogger("kvseal.transfer")
@@ -64,11 +75,13 @@ class ZmqTransport(Transport):
     `_outgoing` (what follows the header) and `_arrival` (what the receiver makes of it).
     hwm: messages (whole transfers) queued per peer and direction before send() reports FAILED.
     max_frame_bytes: the receiver drops peers that send a larger frame (bounds memory); None: no bound.
+    keys: this member's fleet keys; None: plain ZeroMQ (loopback fleets without keys).
+    encrypt: as a receiver with keys, CURVE instead of the MAC framing (see the top).
     """
 
     def __init__(self, *, timeout_s: float = 30.0, mutate: Mutate | None = None, hwm: int = 1000,
                  io_threads: int = 1, max_frame_bytes: int | None = None,
-                 keepalive_idle_s: int = 30) -> None:
+                 keepalive_idle_s: int = 30, keys: MemberKeys | None = None, encrypt: bool = False) -> None:
         super().__init__()
         if timeout_s <= 0 or hwm < 1 or io_threads < 1:
             raise ValueError(f"invalid ZmqTransport(timeout_s={timeout_s}, hwm={hwm}, io_threads={io_threads}):"
@@ -77,7 +90,14 @@ class ZmqTransport(Transport):
         self._max_frame = -1 if max_frame_bytes is None else max_frame_bytes
         self._keepalive_idle = keepalive_idle_s
         self._ctx = zmq.Context(io_threads=io_threads)
+        self.keys, self.encrypt = keys, encrypt
+        self._zap: ZapHandler | None = None  # started by listen() with keys
+        self._mac: KvMac | None = None  # a receiver's MAC framing (keys, not encrypt)
+        self.kv_session = ""  # ... and its session, for the reservations (the sender learns it there)
+        self.frames_unauthenticated = 0  # messages dropped unread: no valid MAC
         self._dealers: dict[str, zmq.Socket[bytes]] = {}  # endpoint -> its one DEALER
+        self._dealer_keys: dict[str, tuple[str | None, str | None]] = {}  # endpoint -> (pinned key, session)
+        self._dealer_macs: dict[str, KvMac] = {}  # endpoint -> its MAC framing (a session was given)
         self._pending: dict[str, _Pending] = {}  # transfer id -> in flight, no answer yet
         self._done: dict[str, TransferStatus] = {}  # transfer id -> terminal status not yet polled
         self._router: zmq.Socket[bytes] | None = None
@@ -102,31 +122,52 @@ class ZmqTransport(Transport):
         s.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
         return s
 
-    def _dealer(self, endpoint: str) -> zmq.Socket[bytes]:
+    def _dealer(self, endpoint: str, server_key: str | None, session: str | None) -> zmq.Socket[bytes]:
         sock = self._dealers.get(endpoint)
+        if sock is not None and self._dealer_keys[endpoint] != (server_key, session):
+            sock.close(0)  # another receiver now owns that endpoint: a new connection, with its credentials
+            self._dealer_macs.pop(endpoint, None)
+            sock = None
         if sock is None:
+            if self.keys is not None and not (server_key and self.keys.admits(server_key)):
+                raise PermissionError(f"the KV receiver at {endpoint} names no fleet key on this worker's allow-list "
+                                      f"({server_key or 'none'}): nothing is sent to it")
             sock = self._socket(zmq.DEALER)
+            if self.keys is not None and session:  # the receiver's MAC framing: its token, then a tag per message
+                mac = self._dealer_macs[endpoint] = KvMac(session)
+                sock.setsockopt(zmq.PLAIN_USERNAME, USER)
+                sock.setsockopt(zmq.PLAIN_PASSWORD, mac.token)
+            else:
+                as_client(sock, self.keys, server_key, f"decode worker's KV port at {endpoint}")
             sock.connect(endpoint)
-            self._dealers[endpoint] = sock
+            self._dealers[endpoint], self._dealer_keys[endpoint] = sock, (server_key, session)
         return sock
+
+    @property
+    def auth_refused(self) -> int:
+        """Connections to this receiver refused before any frame was read (not on the fleet allow-list)."""
+        return self._zap.refused if self._zap is not None else 0
 
     # -- sender -----------------------------------------------------------------------------------------
     def send(self, endpoint: str, manifest: KVManifest, payload: PagePayload | PoolPages, *,
-             timeout_s: float | None = None) -> TransferHandle:
+             timeout_s: float | None = None, server_key: str | None = None,
+             session: str | None = None) -> TransferHandle:
         self._own()
         handle = TransferHandle(secrets.token_hex(8), endpoint, manifest.request_id)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         manifest, frames = self._outgoing(handle, manifest, payload, timeout)
         header = self._enc.encode(TransferHeader(transfer_id=handle.transfer_id, manifest=manifest))
         try:
-            sock = self._dealer(endpoint)
+            sock = self._dealer(endpoint, server_key, session)
+            mac = self._dealer_macs.get(endpoint)
+            tag = [mac.tag([header, *frames])] if mac is not None else []
             # Whole multipart messages are queued atomically: NOBLOCK fails before any part goes, or not at all.
-            sock.send_multipart([header, *frames], flags=zmq.NOBLOCK, copy=False)
+            sock.send_multipart([header, *frames, *tag], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self._done[handle.transfer_id] = _failed(
                 f"KV transfer of request {manifest.request_id!r} to {endpoint}: the send queue is full "
                 f"({self._hwm} transfers); the decode worker is not reading")
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, PermissionError, ValueError) as e:  # ValueError: an unreadable allow-list
             self._done[handle.transfer_id] = _failed(
                 f"KV transfer of request {manifest.request_id!r} to {endpoint} could not be sent: {e}")
         else:
@@ -172,6 +213,9 @@ class ZmqTransport(Transport):
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
+            mac = self._dealer_macs.get(endpoint)
+            if mac is not None:  # an answer without the session's tag is not the receiver's: dropped unread
+                frames = frames[:1] if len(frames) == 2 and mac.check(frames[:1], frames[1]) else []
             try:
                 reply = self._reply_dec.decode(frames[0]) if len(frames) == 1 else None
             except msgspec.DecodeError:
@@ -200,7 +244,16 @@ class ZmqTransport(Transport):
         addr = bind_endpoint
         if addr.startswith("tcp://") and addr.rsplit(":", 1)[1] in ("0", "*"):
             addr = addr.rsplit(":", 1)[0] + ":*"  # the OS picks a free port; no guess-and-retry
+        if self.keys is not None and not self.encrypt and self._mac is None:
+            self.kv_session = new_session()
+            self._mac = KvMac(self.kv_session)
+        if self.keys is not None and self._zap is None:  # before the bind: no unchecked handshake
+            self._zap = ZapHandler(self._ctx, self.keys, "KV port", self._mac.token if self._mac else None)
         sock = self._socket(zmq.ROUTER)
+        if self._mac is not None:
+            as_plain_server(sock)
+        else:
+            as_server(sock, self.keys)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an answer to a vanished sender fails instead of vanishing
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         try:
@@ -243,6 +296,12 @@ class ZmqTransport(Transport):
 
     def _parse(self, frames: list[zmq.Frame], claim: Claim | None) -> Arrival | None:
         peer, parts = frames[0].bytes, frames[1:]
+        if self._mac is not None:  # nothing of a message is read before its tag checks out
+            if len(parts) < 2 or not self._mac.check([p.buffer for p in parts[:-1]], parts[-1].buffer):
+                self.frames_unauthenticated += 1
+                log.warning("dropping a KV message without a valid MAC (%d so far)", self.frames_unauthenticated)
+                return None
+            parts = parts[:-1]
         try:
             header = self._header_dec.decode(parts[0].buffer)
         except (msgspec.DecodeError, IndexError) as e:
@@ -278,8 +337,9 @@ class ZmqTransport(Transport):
         if self._router is None:
             return False
         msg = self._enc.encode(TransferReply(transfer_id=transfer_id, ok=ok, error=error))
+        tag = [self._mac.tag([msg])] if self._mac is not None else []
         try:
-            self._router.send_multipart([peer, msg], flags=zmq.NOBLOCK)
+            self._router.send_multipart([peer, msg, *tag], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH (sender gone) or EAGAIN (sender not reading)
             log.warning("could not answer KV transfer %s: %s", transfer_id, e)
             return False
@@ -296,6 +356,8 @@ class ZmqTransport(Transport):
         self._dealers.clear()
         self._router = None
         self._pending.clear()
+        if self._zap is not None:
+            self._zap.stop()
         self._ctx.term()
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvseal.auth.keys import MemberKeys
 from kvseal.engine.disagg import DecodeEngine
 from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.errors import InternalError, KvsealError, Overloaded, TransferVerificationFailed, WorkerFailed
@@ -44,13 +45,14 @@ class DecodeWorker(WorkerServer):
 
     def __init__(self, engine: DecodeEngine, bind: str, kv_bind: str, hooks: Hooks,
                  reservation_timeout_s: float = 120.0, drain_timeout_s: float = 600.0,
-                 kv_transport: str = "zmq") -> None:
-        super().__init__(engine, bind, hooks, drain_timeout_s)
+                 kv_transport: str = "zmq", keys: MemberKeys | None = None, kv_channel: str = "mac") -> None:
+        super().__init__(engine, bind, hooks, drain_timeout_s, keys)
         self.dengine = engine
         self.kv_transport = kv_transport
         # a frame larger than the whole pool is never a real transfer: the transport drops its sender
         self.transport = create_transport(
-            kv_transport, max_frame_bytes=engine.pool.num_pages * page_nbytes(engine.pool.k) + 2**20)
+            kv_transport, max_frame_bytes=engine.pool.num_pages * page_nbytes(engine.pool.k) + 2**20, keys=keys,
+            **({"encrypt": True} if kv_channel == "curve" and kv_transport == "zmq" else {}))
         self.transport.register(engine.pool.k, engine.pool.v)
         self.kv_endpoint = self.transport.listen(kv_bind)
         self.reservation_timeout_s = reservation_timeout_s
@@ -61,6 +63,8 @@ class DecodeWorker(WorkerServer):
 
     def info(self) -> dict[str, object]:
         return {**super().info(), "kv_endpoint": self.kv_endpoint, "kv_transport": self.kv_transport,
+                "kv_channel": ("mac" if getattr(self.transport, "kv_session", "") else "curve") if self.keys
+                else "plain",
                 "kv_landing": len(self.dengine.landing), "kv_quarantined": len(self.dengine.quarantined),
                 "reservations": len(self.dengine.reserved),
                 "reservations_queued": len(self.queue), "reservation_timeout_s": self.reservation_timeout_s}
@@ -107,7 +111,9 @@ class DecodeWorker(WorkerServer):
                 return
 
     def _reserve(self, q: _Queued) -> None:
-        res = self.dengine.reserve(q.request, self.reservation_timeout_s, self.kv_endpoint)
+        res = self.dengine.reserve(q.request, self.reservation_timeout_s, self.kv_endpoint,
+                                   self.keys.public if self.keys is not None else "",
+                                   getattr(self.transport, "kv_session", ""))
         self.owners[q.request.request_id] = q.ident
         self.send(q.ident, P.ReserveResp(call_id=q.call_id, reservation=res))
 

@@ -3,6 +3,8 @@
 The router checks the worker in full (seal 7, router/registry.py) before it sends it a request: the same check as
 at the router's start and at every reconnect. A refusal carries the reason, which this worker logs before it
 exits with EXIT_REFUSED; the router keeps showing the refused worker and the reason in its /info.
+With fleet keys the join is a CURVE client pinned to the router's key: the router reads the JoinReq only when
+this worker's key is on its allow-list, and the router then connects to this worker pinning that same key.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from kvseal.auth.curve import as_client
+from kvseal.auth.keys import MemberKeys
 from kvseal.worker import protocol as P
 
 if TYPE_CHECKING:
@@ -22,10 +26,14 @@ log = logging.getLogger("kvseal.worker")
 
 
 class Registration:
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], router: str, role: str, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], router: str, role: str, endpoint: str,
+                 keys: MemberKeys | None = None, router_key: str | None = None) -> None:
         self.router, self.role, self.endpoint = router, role, endpoint
         self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        as_client(self.sock, keys, router_key, f"router's fleet port at {router}")
+        # with keys: a router that refuses this worker's key ends the handshake with an auth failure
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH) if keys is not None else None
         self.accepted = False
 
     def start(self, poller: zmq.Poller) -> None:
@@ -33,12 +41,21 @@ class Registration:
         self.sock.connect(self.router)
         self.sock.send(P.encode(P.JoinReq(call_id=1, role=self.role, endpoint=self.endpoint)))
         poller.register(self.sock, zmq.POLLIN)
+        if self.monitor is not None:
+            poller.register(self.monitor, zmq.POLLIN)
         log.info("asked the router at %s to admit this %s worker (%s)", self.router, self.role, self.endpoint)
 
     def on_readable(self, sock: zmq.Socket[bytes], server: WorkerServer) -> bool:
         """Read the router's verdict; True when this worker must stop (refused)."""
         from kvseal.worker.server import EXIT_REFUSED
 
+        if self.monitor is not None and sock is self.monitor:
+            self.monitor.recv_multipart()
+            log.error("the router at %s refused this worker's fleet key at the handshake: it is not on the router's "
+                      "allow-list (copy this member's public key into the router's --fleet-keys DIR/public)",
+                      self.router)
+            server.exit_code = EXIT_REFUSED
+            return True
         if sock is not self.sock:
             return False
         try:
@@ -59,4 +76,7 @@ class Registration:
         return True
 
     def close(self) -> None:
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(0)
         self.sock.close(0)

@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from kvseal.auth.keys import MemberKeys
 from kvseal.engine.disagg import Handoff, PrefillEngine
 from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import InvalidRequest, KvsealError, WorkerFailed
@@ -38,12 +39,12 @@ class PrefillWorker(WorkerServer):
     role = "prefill"
 
     def __init__(self, engine: PrefillEngine, bind: str, hooks: Hooks, transfer_timeout_s: float = 60.0,
-                 drain_timeout_s: float = 600.0, kv_transport: str = "zmq") -> None:
-        super().__init__(engine, bind, hooks, drain_timeout_s)
+                 drain_timeout_s: float = 600.0, kv_transport: str = "zmq", keys: MemberKeys | None = None) -> None:
+        super().__init__(engine, bind, hooks, drain_timeout_s, keys)
         self.pengine = engine
         self.kv_transport = kv_transport
         mutate = self.hooks.outgoing_kv if hooks.spec else None
-        self.transport = create_transport(kv_transport, timeout_s=transfer_timeout_s, mutate=mutate)
+        self.transport = create_transport(kv_transport, timeout_s=transfer_timeout_s, mutate=mutate, keys=keys)
         self.transport.register(engine.pool.k, engine.pool.v)
         self.jobs: dict[str, _Job] = {}
         self._held: list[tuple[float, Handoff]] = []  # handoffs a hook holds back (hold_handoff_s)
@@ -137,7 +138,9 @@ class PrefillWorker(WorkerServer):
             self.pengine.end_handoff(rid, None)
             return
         manifest, payload = self.pengine.package(h, job.reservation, staged=self.transport.staged)
-        job.handle = self.transport.send(job.reservation.kv_endpoint, manifest, payload)
+        job.handle = self.transport.send(job.reservation.kv_endpoint, manifest, payload,
+                                         server_key=job.reservation.kv_key or None,
+                                         session=job.reservation.kv_session or None)
         job.nbytes, job.cached_tokens, job.sent_at = payload.nbytes, h.seq.cached_tokens, time.monotonic()
         self.counters["kv_bytes_sent"] += payload.nbytes
 

@@ -12,6 +12,8 @@ import sys
 
 import msgspec
 
+from kvseal.auth.curve import check_bind
+from kvseal.auth.keys import MemberKeys
 from kvseal.config import EngineConfig
 
 SPEC_VERSION = 1
@@ -34,15 +36,30 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     advertise_host: str | None = None  # the address the router should connect to (default: host)
     metrics_port: int = 0  # Prometheus /metrics on host:this (0: any free port, -1: off)
     kv_transport: str = "zmq"  # "zmq" | "nixl" (kvseal/transfer/)
+    # fleet keys: this worker's keypair and allow-list (kvseal/auth); None: plain ZeroMQ, loopback only
+    keys: MemberKeys | None = None
+    router_key: str | None = None  # with `router` and keys: the router's public key, pinned by the join
+    kv_channel: str = "mac"  # decode with keys, zmq transport: "mac" (KV bytes in clear, MACs) | "curve" (encrypted)
     v: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"invalid role={self.role!r}: use prefill or decode")
+        if self.kv_channel not in ("mac", "curve"):
+            raise ValueError(f"invalid kv_channel={self.kv_channel!r}: use mac or curve")
         if self.kv_transport not in ("zmq", "nixl"):
             raise ValueError(f"invalid kv_transport={self.kv_transport!r}: use zmq or nixl")
         if self.v != SPEC_VERSION:
             raise ValueError(f"worker spec v{self.v} is not v{SPEC_VERSION}: start the worker with the same kvseal")
+        if self.router and self.keys is not None and not self.router_key:
+            raise ValueError(f"invalid --router={self.router!r} with fleet keys: name the router's member as "
+                             f"NAME@HOST:PORT (default name: router) so the join pins its key")
+
+    def check_binds(self) -> None:
+        """Refuse a control or KV port off loopback without fleet keys (ValueError naming the fix)."""
+        check_bind(self.host, self.keys, f"{self.role} worker's control port", "--host")
+        if self.role == "decode":
+            check_bind(self.kv_host or self.host, self.keys, "decode worker's KV port", "--kv-host")
 
 
 def run_worker(spec: WorkerSpec) -> int:
@@ -57,6 +74,7 @@ def run_worker(spec: WorkerSpec) -> int:
         import torch
 
         torch.set_num_threads(max(1, spec.threads))
+    spec.check_binds()
     hooks = hooks_from_spec(spec.test_faults, f"kvseal {spec.role}")
     cfg = spec.engine
     scrub = hooks.scrub_pages(cfg.cache.scrub)
@@ -66,16 +84,17 @@ def run_worker(spec: WorkerSpec) -> int:
     server: WorkerServer
     if spec.role == "prefill":
         server = PrefillWorker(PrefillEngine(cfg), bind, hooks, spec.transfer_timeout_s, spec.drain_timeout_s,
-                               spec.kv_transport)
+                               spec.kv_transport, spec.keys)
     else:
         server = DecodeWorker(DecodeEngine(cfg), bind, f"tcp://{spec.kv_host or spec.host}:{spec.kv_port}", hooks,
-                              spec.reservation_timeout_s, spec.drain_timeout_s, spec.kv_transport)
+                              spec.reservation_timeout_s, spec.drain_timeout_s, spec.kv_transport, spec.keys,
+                              spec.kv_channel)
     if spec.metrics_port >= 0:
         logging.getLogger("kvseal").info("metrics on %s", server.metrics.serve(spec.host, spec.metrics_port))
     if spec.router:
         port = server.endpoint.rsplit(":", 1)[1]
         server.join = Registration(server.ctx, spec.router, spec.role,
-                                   f"tcp://{spec.advertise_host or spec.host}:{port}")
+                                   f"tcp://{spec.advertise_host or spec.host}:{port}", spec.keys, spec.router_key)
     return server.run()
 
 

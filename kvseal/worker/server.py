@@ -20,6 +20,9 @@ from typing import Any
 
 import zmq
 
+from kvseal.auth.curve import as_server
+from kvseal.auth.keys import MemberKeys
+from kvseal.auth.zap import ZapHandler
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import InternalError, InvalidRequest, KvsealError, WorkerDraining
@@ -40,10 +43,15 @@ EXIT_REFUSED = 3
 class WorkerServer:
     role = "worker"
 
-    def __init__(self, engine: Engine, bind: str, hooks: Hooks, drain_timeout_s: float = 600.0) -> None:
+    def __init__(self, engine: Engine, bind: str, hooks: Hooks, drain_timeout_s: float = 600.0,
+                 keys: MemberKeys | None = None) -> None:
         self.engine, self.hooks = engine, hooks
         self.ctx = zmq.Context()
+        self.keys = keys  # fleet keys: CURVE both ways on every socket (kvseal/auth); None: loopback, plain
+        # with keys, only allow-listed members complete a handshake: nobody else gets a frame read or answered
+        self.zap = ZapHandler(self.ctx, keys, "control port") if keys is not None else None
         self.ctrl: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
+        as_server(self.ctrl, keys)
         self.ctrl.setsockopt(zmq.LINGER, 0)
         self.ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.ctrl.bind(bind)
@@ -85,7 +93,13 @@ class WorkerServer:
                 "test_faults": self.hooks.spec, "test_faults_active": self.hooks.active,
                 "draining": self.draining_since is not None, "inflight": self.inflight(),
                 "outbox_queued": self.outbox.queued, "metrics_endpoint": self.metrics.endpoint,
-                "verification_failures": dict(self.verification_failures)}
+                "verification_failures": dict(self.verification_failures),
+                "fleet_auth": "curve" if self.keys is not None else "off", "auth_refused": self.auth_refused()}
+
+    def auth_refused(self) -> int:
+        """Connections refused at the handshake (not on the fleet allow-list): control port, and KV port."""
+        return (self.zap.refused if self.zap is not None else 0) + int(getattr(getattr(self, "transport", None),
+                                                                               "auth_refused", 0))
 
     def queued(self) -> int:
         """Requests waiting outside the engine (decode: reservations waiting for pages)."""
@@ -187,6 +201,8 @@ class WorkerServer:
         if self.join is not None:
             self.join.close()
         self.ctrl.close(0)
+        if self.zap is not None:
+            self.zap.stop()
         self.ctx.term()
         if self.engine.ledger is not None:
             self.engine.ledger.close()

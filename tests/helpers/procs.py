@@ -82,6 +82,9 @@ class Worker(Proc):
     def __init__(self, role: str, extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.role, self.port = role, free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
+        # a worker started with --fleet-keys answers only a member: call() then uses these (kvseal.auth.keys)
+        self.client_keys: object | None = None  # MemberKeys of the member the test speaks as
+        self.server_key: str | None = None  # this worker's public key, pinned
         super().__init__([role, "--port", str(self.port), "--log-level", "info", *(extra or [])], env)
 
     def ready(self, timeout: float = 180.0) -> Worker:
@@ -98,6 +101,7 @@ class Worker(Proc):
         """Send one control message (make(call_id)) and return the decoded answer."""
         import zmq
 
+        from kvseal.auth.curve import as_client
         from kvseal.worker import protocol as P
 
         ctx = zmq.Context()
@@ -105,6 +109,7 @@ class Worker(Proc):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
         try:
+            as_client(sock, self.client_keys, self.server_key, f"{self.role} worker")  # type: ignore[arg-type]
             sock.connect(f"tcp://{self.endpoint}")
             sock.send(P.encode(make(1)))  # type: ignore[operator]
             return P.decode(sock.recv())

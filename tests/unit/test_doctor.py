@@ -77,3 +77,19 @@ def test_probes_must_answer_and_agree() -> None:
 def test_a_unified_server_is_one_node_with_no_pairs() -> None:
     info = {**worker("unified", 0), "context_window": 1024, "model": "m"}
     assert serving_pairs(info) == [] and assess(info, [Probe(None, None, TOKENS)]) == []
+
+
+def test_a_tenant_key_is_told_to_use_an_admin_key(capsys: pytest.CaptureFixture[str]) -> None:
+    """With --api-keys, a tenant's /info holds no fleet (router/tenantview.py): the doctor says what key it needs."""
+    import argparse
+    from unittest import mock
+
+    import httpx
+
+    from kvseal.doctor import run_doctor
+
+    resp = httpx.Response(200, json={"model": "m", "context_window": 256, "tenant": "alice", "requests": {}},
+                          request=httpx.Request("GET", "http://x/info"))
+    with mock.patch.object(httpx.Client, "get", return_value=resp):
+        code = run_doctor(argparse.Namespace(url="http://x", api_key="sk-alice", timeout=5.0, no_probe=True))
+    assert code == 2 and "admin key" in capsys.readouterr().err

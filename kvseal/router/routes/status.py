@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 
 from kvseal import __version__
 from kvseal.router.routes.deps import backend_of
+from kvseal.router.tenantview import is_admin, tenant_info
 
 router = APIRouter()
 
@@ -21,7 +22,11 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/info")
 async def info(request: Request) -> dict[str, Any]:
-    return await backend_of(request).info()
+    """Admin keys (everyone without --api-keys): the whole fleet. A tenant: the model, window, its own figures."""
+    backend = backend_of(request)
+    if not is_admin(request):
+        return tenant_info(request, backend.model_name, backend.context_window)
+    return await backend.info()
 
 
 @router.get("/v1/models")
