@@ -301,9 +301,13 @@ int kvs_qlinear(int type, const uint8_t *packed, int64_t N, int64_t K, const flo
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vnni,avx512bf16")
 /* 12 independent 512-bit instructions per round, `rounds` times: kind 0 vpdpbusd (64 int8 multiply-adds each),
-   1 vfmadd231ps (16 float32), 2 vdpbf16ps (32 bfloat16). Returns instructions issued (the caller times it);
-   -1 when this CPU lacks the instruction. */
+   1 vfmadd231ps (16 float32), 2 vdpbf16ps (32 bfloat16); 256-bit: 3 vpmaddubsw (32 int8 multiply-adds, the AVX2
+   path's), 4 vfmadd231ps (8 float32). Returns instructions issued (the caller times it); -1 when this CPU lacks
+   the instruction. */
+static int64_t peak_issue_avx2(int kind, int64_t rounds);
+
 int64_t kvs_peak_issue(int kind, int64_t rounds) {
+    if (kind >= 3) return peak_issue_avx2(kind, rounds);
     if (!__builtin_cpu_supports("avx512f") || (kind == 0 && !__builtin_cpu_supports("avx512vnni")) ||
         (kind == 2 && !__builtin_cpu_supports("avx512bf16")))
         return -1;
@@ -314,6 +318,26 @@ int64_t kvs_peak_issue(int kind, int64_t rounds) {
             __asm__ volatile(PEAK12("vfmadd231ps")::: PEAK_CLOBBER);
         else
             __asm__ volatile(PEAK12("vdpbf16ps")::: PEAK_CLOBBER);
+    }
+    return 12 * rounds;
+}
+#pragma GCC pop_options
+
+#define PEAK12Y(op)                                                                                             \
+    op " %%ymm0, %%ymm1, %%ymm2\n\t" op " %%ymm0, %%ymm1, %%ymm3\n\t" op " %%ymm0, %%ymm1, %%ymm4\n\t"          \
+    op " %%ymm0, %%ymm1, %%ymm5\n\t" op " %%ymm0, %%ymm1, %%ymm6\n\t" op " %%ymm0, %%ymm1, %%ymm7\n\t"          \
+    op " %%ymm0, %%ymm1, %%ymm8\n\t" op " %%ymm0, %%ymm1, %%ymm9\n\t" op " %%ymm0, %%ymm1, %%ymm10\n\t"         \
+    op " %%ymm0, %%ymm1, %%ymm11\n\t" op " %%ymm0, %%ymm1, %%ymm12\n\t" op " %%ymm0, %%ymm1, %%ymm13\n\t"
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+static int64_t peak_issue_avx2(int kind, int64_t rounds) {
+    if (kind > 4) return -1;
+    __asm__ volatile("vpxor %%ymm0, %%ymm0, %%ymm0\n\tvpxor %%ymm1, %%ymm1, %%ymm1" ::: "xmm0", "xmm1");
+    for (int64_t k = 0; k < rounds; k++) {
+        if (kind == 3) /* independent: each writes its own register (vpmaddubsw does not accumulate) */
+            __asm__ volatile(PEAK12Y("vpmaddubsw")::: PEAK_CLOBBER);
+        else
+            __asm__ volatile(PEAK12Y("vfmadd231ps")::: PEAK_CLOBBER);
     }
     return 12 * rounds;
 }
