@@ -21,10 +21,12 @@ from kvseal.kernels.build import load
 F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 8, 12, 13, 14, 30
 BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q8_0: (32, 34),
           Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
-BLOCK_BYTES = {t: b for t, (_, b) in BLOCKS.items()}
+FLOAT_TYPES = (F32, F16, BF16)
+# the quantized block types: what a loader keeps as PackedWeights of the file's bytes (float tensors may be handed
+# over as PackedWeights too, of their raw bytes, or as dense tensors: PackedWeight.of_dense)
+BLOCK_BYTES = {t: b for t, (_, b) in BLOCKS.items() if t not in FLOAT_TYPES}
 TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q8_0: "Q8_0",
               Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
-FLOAT_TYPES = (F32, F16, BF16)
 # At or above this many rows of x the weight is dequantized into a scratch tensor and multiplied by torch's
 # GEMM (MKL/oneDNN), which wins once the product is compute-bound (prefill chunks).
 DENSE_FROM_ROWS = 96
