@@ -2,6 +2,9 @@
 
     python -m benchmarks.agreement                         # 50 prompts x 64 tokens, a 2,048-token text
     python -m benchmarks.agreement --prompts 100 --kv-dtype float32,bfloat16 --json out.json
+    python -m benchmarks.agreement --model ~/.cache/kvseal/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+
+--model takes any checkpoint kvseal loads (a GGUF file, a Hugging Face folder); the default is the bundled model.
 
 For each arithmetic (exact float32 is the reference; fast with each --kv-dtype):
   - greedy: the same prompts (chat questions and random-token prompts), 64 new tokens each; per prompt, how many
@@ -105,6 +108,7 @@ def prefix_agreement(a: list[int], b: list[int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.agreement", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: the bundled model)")
     p.add_argument("--prompts", type=int, default=50, help="greedy prompts (half chat questions, half random ids)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--text-tokens", type=int, default=2048, help="length of the perplexity text (>= 2000)")
@@ -114,10 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    ck = load_checkpoint(None)
+    ck = load_checkpoint(a.model)
     tok = ck.tokenizer
+    # a base model without a chat template (Gemma 3 270M) is asked the questions as plain text
     chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
-             for q in QUESTIONS]
+             if tok.chat_template else tok.encode(q) for q in QUESTIONS]
     g = torch.Generator().manual_seed(0)
     prompts = [chats[i % len(chats)] if i % 2 == 0 else torch.randint(1000, 20000, (64,), generator=g).tolist()
                for i in range(a.prompts)]
@@ -148,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
 
     cpu = cpu_record.collect()
-    print(f"\n{cpu_record.header(cpu)}\n{a.prompts} prompts x {a.new_tokens} tokens; perplexity text "
-          f"{len(text_ids)} tokens")
+    print(f"\n{cpu_record.header(cpu)}\nmodel {ck.name} ({a.model or 'bundled'}); {a.prompts} prompts x "
+          f"{a.new_tokens} tokens; perplexity text {len(text_ids)} tokens")
     print("| arithmetic | KV dtype | greedy tokens equal to exact before the first difference (median / mean) "
           "| prompts fully equal | perplexity | vs exact |")
     print("|---|---|---|---|---|---|")
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['arithmetic']} (reference) | {r['kv_dtype']} | - | - | {r['perplexity']:.3f} | - |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"cpu": cpu, "runs": runs, "prompts": a.prompts, "new_tokens": a.new_tokens,
+            json.dump({"cpu": cpu, "model": ck.name, "runs": runs, "prompts": a.prompts, "new_tokens": a.new_tokens,
                        "text_tokens": len(text_ids)}, f, indent=2)
     return 0
 

@@ -3,8 +3,10 @@
   exact  float32 throughout: kvseal's native C kernels (or torch's ops with --kernels torch). Greedy output
          equals transformers' float32 reference token for token (tests/e2e/test_correctness.py).
   fast   every matrix product takes int8 activations (per 32 inputs, scale max|x| / 127) against the weights'
-         own 4/8-bit GGUF blocks (float checkpoints are quantized to Q8_0 blocks once, at load), with integer
-         dot products: AVX-512-VNNI, AVX-VNNI or AVX2, picked per CPU, the same bits on each. Attention reads
+         own GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0, and the K-quants Q4_K, Q5_K, Q6_K with their integer sub-block
+         scales), repacked once into tiles, with integer dot products: AVX-512-VNNI, AVX-VNNI or AVX2, picked per
+         CPU, the same bits on each. Float weights (F32, F16, BF16, and every weight of a safetensors checkpoint)
+         are multiplied as they are, in float32 FMA. Attention reads
          float32 or bfloat16 KV in place through the page tables, keys stored transposed per page. Both are
          batch invariant: a request's tokens do not depend on what shares its steps or how its prompt was
          chunked. Agreement with the exact set is measured by `python -m benchmarks.agreement`.

@@ -1,4 +1,5 @@
-"""Compile kvseal's C kernels (cpu_kernels.c, qgemm.c, attention.c, forward.c) once per source version, load them
+"""Compile kvseal's C kernels (cpu_kernels.c, dequant.c, qpack.c, qgemm.c, attention.c, forward.c, and the headers
+they include) once per source version, load them
 with ctypes.
 
 The shared library lands in $KVSEAL_CACHE_DIR (default ~/.cache/kvseal, or a per-user temp folder where that
@@ -23,7 +24,9 @@ from pathlib import Path
 
 from kvseal.model.checkpoint import ModelArch
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "qgemm.c", "attention.c", "forward.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "dequant.c", "qpack.c", "qgemm.c", "attention.c",
+                                                     "forward.c"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("kvs.h", "qgemm.h", "qtile.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-D_ISOC11_SOURCE")
 CPU_FLAGS = ("avx2", "fma", "f16c")
 
@@ -75,7 +78,7 @@ def _cache_root() -> Path:
 
 
 def library_path() -> Path:
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(FLAGS).encode()).hexdigest()[:16]
     return _cache_root() / f"libkvseal_cpu_{digest}.so"
 
 
@@ -122,6 +125,9 @@ def load() -> ctypes.CDLL:
     lib.kvs_qpacked_bytes.argtypes, lib.kvs_qpacked_bytes.restype = [i32, i64, i64], i64
     lib.kvs_qpack.argtypes, lib.kvs_qpack.restype = [i32, ptr, i64, i64, ptr], i32
     lib.kvs_qlinear.argtypes, lib.kvs_qlinear.restype = [i32, ptr, i64, i64, ptr, i64, ptr], i32
+    lib.kvs_qlinear_mat.argtypes, lib.kvs_qlinear_mat.restype = [ptr, i64, ptr, i64, ptr, ptr], i32
+    lib.kvs_qscratch_bytes.argtypes, lib.kvs_qscratch_bytes.restype = [i64, i64], i64
+    lib.kvs_gemm_mat.argtypes, lib.kvs_gemm_mat.restype = [ptr, i64, ptr, i64, ptr], i32
     lib.kvs_qisa.argtypes, lib.kvs_qisa.restype = [], i32
     lib.kvs_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, i64, ptr, i64, f32,
                                         ptr]

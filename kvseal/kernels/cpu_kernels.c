@@ -1,6 +1,8 @@
 /* kvseal's native CPU kernels (x86-64, AVX2 + FMA + F16C), called through ctypes from kvseal/kernels/ops.py.
  *
- *  kvs_gemm            y (M, N) = x (M, K) @ W^T for W held as GGUF blocks (Q4_0, Q4_1, Q8_0), rows as stored.
+ *  kvs_gemm            y (M, N) = x (M, K) @ W^T for W held as GGUF rows as stored (every type of kvs.h,
+ *                      dequantized in registers by dequant.c, exactly as gguf-py does), float32 FMA.
+ *  kvs_gemm_mat        the same for a matrix of row segments of different types (q|k|v), one result.
  *  kvs_dequant         W -> float32 (N, K), for large M where a dense GEMM library wins.
  *  kvs_dequant_rows    selected rows of W -> float32 (an embedding lookup).
  *  kvs_paged_decode    one query token per sequence against its own pages: K/V are read only through the
@@ -17,64 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 }; /* GGML type ids */
-#define QK 32                                   /* weights per block, all three types */
-
-static int64_t block_bytes(int type) {
-    switch (type) {
-        case QT_Q4_0: return 18; /* fp16 d, 16 bytes of nibbles:   w = d * (q - 8) */
-        case QT_Q4_1: return 20; /* fp16 d, fp16 m, 16 nibbles:     w = d * q + m   */
-        case QT_Q8_0: return 34; /* fp16 d, 32 int8:                w = d * q       */
-        default: return -1;
-    }
-}
-
-int64_t kvs_row_bytes(int type, int64_t K) {
-    int64_t b = block_bytes(type);
-    return (b < 0 || K % QK) ? -1 : (K / QK) * b;
-}
-
-static inline float h2f(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-/* 16 bytes -> low nibbles as weights 0..15, high nibbles as 16..31 (ggml's order), as float: d * q + m */
-static inline void nibbles_to_f32(const uint8_t *qs, __m256 vd, __m256 vm, float *out) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    __m128i lo = _mm_and_si128(q, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    _mm256_storeu_ps(out + 0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vd, vm));
-    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vd, vm));
-    _mm256_storeu_ps(out + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vd, vm));
-    _mm256_storeu_ps(out + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vd, vm));
-}
-
-static void dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
-    int64_t nb = K / QK;
-    if (type == QT_Q4_1) {
-        for (int64_t b = 0; b < nb; b++, row += 20, out += QK)
-            nibbles_to_f32(row + 4, _mm256_set1_ps(h2f(row)), _mm256_set1_ps(h2f(row + 2)), out);
-    } else if (type == QT_Q4_0) {
-        for (int64_t b = 0; b < nb; b++, row += 18, out += QK) {
-            float d = h2f(row);
-            /* d * (q - 8) computed as d * q + (-8 d): the same float as gguf-py's (q - 8) * d for |q - 8| <= 8,
-               up to the final rounding of an fma; tests compare with a tolerance, not bit equality. */
-            nibbles_to_f32(row + 2, _mm256_set1_ps(d), _mm256_set1_ps(-8.0f * d), out);
-        }
-    } else { /* QT_Q8_0 */
-        for (int64_t b = 0; b < nb; b++, row += 34, out += QK) {
-            __m256 vd = _mm256_set1_ps(h2f(row));
-            const uint8_t *qs = row + 2;
-            for (int j = 0; j < 4; j++) {
-                __m128i q = _mm_loadl_epi64((const __m128i *)(qs + 8 * j));
-                _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), vd));
-            }
-        }
-    }
-}
+#include "kvs.h"
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -114,11 +59,13 @@ static inline void mk_4x1(const float *w, int64_t K, const float *x0, float *o, 
 }
 
 #define TILE_N 16 /* rows of W dequantized at once: 16 x K floats (L2-sized), reused for every row of x */
-/* y (M, N) = x (M, K) @ W^T. W is read from memory and dequantized exactly once per call; each thread owns
-   whole tiles of TILE_N output columns, so no two threads write the same element of y. */
-int kvs_gemm(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
+/* y (M, N) = x (M, K) @ W^T, row m of y at y + m * ldy. W is read from memory and dequantized exactly once per
+   call; each thread owns whole tiles of TILE_N output columns, so no two threads write the same element of y.
+   Every element is one fixed-order sum (8 lanes, then hsum), whatever M is: a row's bits do not depend on the
+   other rows of x. */
+int kvs_gemm_ld(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t ldy) {
     int64_t rb = kvs_row_bytes(type, K);
-    if (rb < 0 || N <= 0 || M <= 0) return -1;
+    if (rb < 0 || N <= 0 || M <= 0 || ldy < N) return -1;
     int64_t ntiles = (N + TILE_N - 1) / TILE_N;
     int failed = 0;
 #pragma omp parallel
@@ -135,15 +82,15 @@ int kvs_gemm(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, i
             int64_t n0 = t * TILE_N, nr = N - n0 < TILE_N ? N - n0 : TILE_N;
             int64_t ngroups = (nr + 3) / 4;
             for (int64_t r = 0; r < ngroups * 4; r++)  /* padding rows repeat row n0; their results are dropped */
-                dequant_row(type, w + (n0 + (r < nr ? r : 0)) * rb, K, buf + r * K);
+                kvs_dequant_row(type, w + (n0 + (r < nr ? r : 0)) * rb, K, buf + r * K);
             int64_t m = 0;
             for (; m + 1 < M; m += 2) {
                 for (int64_t g = 0; g < ngroups; g++) {
                     int64_t rows = nr - 4 * g < 4 ? nr - 4 * g : 4;
                     mk_4x2(buf + 4 * g * K, K, x + m * K, x + (m + 1) * K, tmp, 2);
                     for (int64_t r = 0; r < rows; r++) {
-                        y[m * N + n0 + 4 * g + r] = tmp[r * 2];
-                        y[(m + 1) * N + n0 + 4 * g + r] = tmp[r * 2 + 1];
+                        y[m * ldy + n0 + 4 * g + r] = tmp[r * 2];
+                        y[(m + 1) * ldy + n0 + 4 * g + r] = tmp[r * 2 + 1];
                     }
                 }
             }
@@ -151,7 +98,7 @@ int kvs_gemm(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, i
                 for (int64_t g = 0; g < ngroups; g++) {
                     int64_t rows = nr - 4 * g < 4 ? nr - 4 * g : 4;
                     mk_4x1(buf + 4 * g * K, K, x + m * K, tmp, 1);
-                    for (int64_t r = 0; r < rows; r++) y[m * N + n0 + 4 * g + r] = tmp[r];
+                    for (int64_t r = 0; r < rows; r++) y[m * ldy + n0 + 4 * g + r] = tmp[r];
                 }
             }
         }
@@ -160,11 +107,27 @@ int kvs_gemm(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, i
     return failed ? -2 : 0;
 }
 
+int kvs_gemm(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
+    return kvs_gemm_ld(type, w, N, K, x, M, y, N);
+}
+
+/* every segment into its own columns of y (M, rows of m): unfused (one pass per segment), no copy of a weight */
+int kvs_gemm_mat(const kvs_mat *m, int64_t K, const float *x, int64_t M, float *y) {
+    if (m->nseg < 1 || m->nseg > KVS_MAXSEG) return -1;
+    const int64_t N = kvs_mat_rows(m);
+    int64_t c0 = 0;
+    for (int s = 0; s < m->nseg; c0 += m->rows[s], s++) {
+        int rc = kvs_gemm_ld(m->type[s], m->data[s], m->rows[s], K, x, M, y + c0, N);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 int kvs_dequant(int type, const uint8_t *w, int64_t N, int64_t K, float *out) {
     int64_t rb = kvs_row_bytes(type, K);
     if (rb < 0 || N <= 0) return -1;
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) dequant_row(type, w + n * rb, K, out + n * K);
+    for (int64_t n = 0; n < N; n++) kvs_dequant_row(type, w + n * rb, K, out + n * K);
     return 0;
 }
 
@@ -173,7 +136,7 @@ int kvs_dequant_rows(int type, const uint8_t *w, int64_t N, int64_t K, const int
     if (rb < 0) return -1;
     for (int64_t i = 0; i < R; i++)
         if (rows[i] < 0 || rows[i] >= N) return -3;
-    for (int64_t i = 0; i < R; i++) dequant_row(type, w + rows[i] * rb, K, out + i * K);
+    for (int64_t i = 0; i < R; i++) kvs_dequant_row(type, w + rows[i] * rb, K, out + i * K);
     return 0;
 }
 
@@ -413,13 +376,6 @@ int kvs_silu_mul(const float *gu, int64_t T, int64_t I, float *out) {
 
 /* ---- one whole decode step of a Llama layer stack in one call (no Python between the ops) ------------- */
 
-typedef struct {
-    int32_t t_qkv, t_o, t_gu, t_down;            /* GGML types of the four packed matrices */
-    const uint8_t *w_qkv, *w_o, *w_gu, *w_down;  /* (H+2KVH)*D x E, E x H*D, 2I x E, E x I */
-    const float *b_qkv;                          /* ((H + 2 KVH) * D,) or NULL */
-    const float *ln1, *ln2;                      /* (E,) */
-} kvs_layer;
-
 /* h (T, E), the residual stream of T single-token decode rows, is run through all L layers in place:
  * RMSNorm, q|k|v, RoPE, the new k/v written at slots[t] of layer l's pool (P pages of S tokens), paged decode
  * attention through each row's page table, o, residual, RMSNorm, gate|up, SwiGLU, down, residual. The same
@@ -430,6 +386,10 @@ int kvs_decode_forward(const kvs_layer *layers, int64_t L, int64_t E, int64_t I,
                        float *kpool, float *vpool, int64_t P, int64_t S, int64_t T, float *h, const int64_t *pos,
                        const int64_t *slots, const int64_t *pages, int64_t max_pages, const int64_t *kv_lens) {
     if (T <= 0 || L <= 0) return -1;
+    for (int64_t l = 0; l < L; l++) /* every matrix has the rows its place in the layer needs */
+        if (kvs_mat_rows(&layers[l].qkv) != H * D + 2 * KVH * D || kvs_mat_rows(&layers[l].o) != E ||
+            kvs_mat_rows(&layers[l].gu) != 2 * I || kvs_mat_rows(&layers[l].down) != E)
+            return -1;
     for (int64_t t = 0; t < T; t++) {
         if (slots[t] < 0 || slots[t] >= P * S || pos[t] < 0 || pos[t] >= max_pos) return -3;
         if (kv_lens[t] < 1 || kv_lens[t] > max_pages * S) return -2;
@@ -446,7 +406,7 @@ int kvs_decode_forward(const kvs_layer *layers, int64_t L, int64_t E, int64_t I,
         const kvs_layer *ly = layers + l;
         float *kl = kpool + l * layer_floats, *vl = vpool + l * layer_floats;
         if ((rc = kvs_rmsnorm(h, ly->ln1, T, E, eps, x))) break;
-        if ((rc = kvs_gemm(ly->t_qkv, ly->w_qkv, NQKV, E, x, T, qkv))) break;
+        if ((rc = kvs_gemm_mat(&ly->qkv, E, x, T, qkv))) break;
         if (ly->b_qkv)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t i = 0; i < NQKV; i++) qkv[t * NQKV + i] += ly->b_qkv[i];
@@ -458,12 +418,12 @@ int kvs_decode_forward(const kvs_layer *layers, int64_t L, int64_t E, int64_t I,
             memcpy(vl + slots[t] * KD, row + HD + KD, sizeof(float) * KD);
         }
         if ((rc = kvs_paged_decode(q, kl, vl, P, pages, max_pages, kv_lens, T, H, KVH, D, S, scale, o))) break;
-        if ((rc = kvs_gemm(ly->t_o, ly->w_o, E, HD, o, T, tmp))) break;
+        if ((rc = kvs_gemm_mat(&ly->o, HD, o, T, tmp))) break;
         for (int64_t i = 0; i < T * E; i++) h[i] += tmp[i];
         if ((rc = kvs_rmsnorm(h, ly->ln2, T, E, eps, x))) break;
-        if ((rc = kvs_gemm(ly->t_gu, ly->w_gu, 2 * I, E, x, T, gu))) break;
+        if ((rc = kvs_gemm_mat(&ly->gu, E, x, T, gu))) break;
         if ((rc = kvs_silu_mul(gu, T, I, act))) break;
-        if ((rc = kvs_gemm(ly->t_down, ly->w_down, E, I, act, T, tmp))) break;
+        if ((rc = kvs_gemm_mat(&ly->down, I, act, T, tmp))) break;
         for (int64_t i = 0; i < T * E; i++) h[i] += tmp[i];
     }
     free(buf);

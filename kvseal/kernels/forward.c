@@ -12,20 +12,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct {
-    int32_t t_qkv, t_o, t_gu, t_down;            /* block types the four matrices were packed from */
-    const uint8_t *w_qkv, *w_o, *w_gu, *w_down;  /* kvs_qpack layouts: (H+2KVH)*D x E, E x H*D, 2I x E, E x I */
-    const float *b_qkv;                          /* ((H + 2 KVH) * D,) or NULL */
-    const float *ln1, *ln2;                      /* (E,) */
-} kvs_layer;
+#include "kvs.h"
 
 int kvs_rmsnorm(const float *x, const float *w, int64_t T, int64_t E, float eps, float *out);
 int kvs_rope(float *x, int64_t T, int64_t ld, int64_t NH, int64_t D, const float *cos, const float *sin,
              const int64_t *pos, int64_t max_pos);
 int kvs_silu_mul(const float *gu, int64_t T, int64_t I, float *out);
-int64_t kvs_qscratch_bytes(int64_t M, int64_t K);
-int kvs_qlinear_into(int type, const uint8_t *packed, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                     void *scratch);
 int kvs_write_kv(const float *k, const float *v, int64_t T, int64_t KVH, int64_t D, void *kc, void *vc, int bf16,
                  int64_t P, int64_t S, const int64_t *slots);
 int64_t kvs_paged_attention_items(int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t P, int64_t S,
@@ -40,6 +32,11 @@ int kvs_forward_fast(const kvs_layer *layers, int64_t L, int64_t E, int64_t I, i
                      const int64_t *slots, const int64_t *spans, int64_t nspans, const int64_t *tables,
                      int64_t ntables) {
     if (T <= 0 || L <= 0 || S <= 0 || nspans <= 0) return -1;
+    const int64_t HD = H * D, KD = KVH * D, NQKV = HD + 2 * KD;
+    for (int64_t l = 0; l < L; l++) /* every matrix has the rows its place in the layer needs */
+        if (kvs_mat_rows(&layers[l].qkv) != NQKV || kvs_mat_rows(&layers[l].o) != E ||
+            kvs_mat_rows(&layers[l].gu) != 2 * I || kvs_mat_rows(&layers[l].down) != E)
+            return -1;
     int64_t rows = 0;
     for (int64_t s = 0; s < nspans; s++) { /* spans tile the rows in order; pages inside the pool */
         const int64_t *sp = spans + 5 * s;
@@ -57,7 +54,6 @@ int kvs_forward_fast(const kvs_layer *layers, int64_t L, int64_t E, int64_t I, i
     /* the attention kernel's own argument check, once for the step (the pages do not change between layers) */
     const int64_t items = kvs_paged_attention_items(T, H, KVH, D, P, S, spans, nspans, tables, ntables);
     if (items < 0) return (int)items;
-    const int64_t HD = H * D, KD = KVH * D, NQKV = HD + 2 * KD;
     const int64_t layer_elems = P * S * KD, esz = kv_bf16 ? 2 : 4;
     /* one allocation for the step: the activations, then the int8 rows of the widest product input */
     const int64_t kmax = E > HD ? (E > I ? E : I) : (HD > I ? HD : I);
@@ -72,7 +68,7 @@ int kvs_forward_fast(const kvs_layer *layers, int64_t L, int64_t E, int64_t I, i
         const kvs_layer *ly = layers + l;
         char *kl = (char *)kpool + l * layer_elems * esz, *vl = (char *)vpool + l * layer_elems * esz;
         if ((rc = kvs_rmsnorm(h, ly->ln1, T, E, eps, x))) break;
-        if ((rc = kvs_qlinear_into(ly->t_qkv, ly->w_qkv, NQKV, E, x, T, qkv, qs))) break;
+        if ((rc = kvs_qlinear_mat(&ly->qkv, E, x, T, qkv, qs))) break;
         if (ly->b_qkv)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t i = 0; i < NQKV; i++) qkv[t * NQKV + i] += ly->b_qkv[i];
@@ -86,12 +82,12 @@ int kvs_forward_fast(const kvs_layer *layers, int64_t L, int64_t E, int64_t I, i
         if ((rc = kvs_write_kv(k, v, T, KVH, D, kl, vl, kv_bf16, P, S, slots))) break;
         if ((rc = kvs_paged_attention_run(q, H, KVH, D, kl, vl, kv_bf16, S, spans, nspans, tables, items, scale, o)))
             break;
-        if ((rc = kvs_qlinear_into(ly->t_o, ly->w_o, E, HD, o, T, tmp, qs))) break;
+        if ((rc = kvs_qlinear_mat(&ly->o, HD, o, T, tmp, qs))) break;
         for (int64_t i = 0; i < T * E; i++) h[i] += tmp[i];
         if ((rc = kvs_rmsnorm(h, ly->ln2, T, E, eps, x))) break;
-        if ((rc = kvs_qlinear_into(ly->t_gu, ly->w_gu, 2 * I, E, x, T, gu, qs))) break;
+        if ((rc = kvs_qlinear_mat(&ly->gu, E, x, T, gu, qs))) break;
         if ((rc = kvs_silu_mul(gu, T, I, act))) break;
-        if ((rc = kvs_qlinear_into(ly->t_down, ly->w_down, E, I, act, T, tmp, qs))) break;
+        if ((rc = kvs_qlinear_mat(&ly->down, I, act, T, tmp, qs))) break;
         for (int64_t i = 0; i < T * E; i++) h[i] += tmp[i];
     }
     free(buf);

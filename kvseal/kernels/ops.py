@@ -1,8 +1,10 @@
 """torch-facing wrappers of the native kernels: linear layers over GGUF blocks and paged decode attention.
 
-A PackedWeight is a Linear weight (N, K) kept exactly as the GGUF file stores it: N rows of K / 32 blocks
-(Q4_0, Q4_1 or Q8_0). Dequantized it equals, element for element, the float32 tensor the dense path uses;
-the native path differs from the dense one only in summation order (a relative ~1e-6 in the logits).
+A PackedWeight is a Linear weight (N, K) kept exactly as the GGUF file stores it: N rows of blocks of any type in
+BLOCK_BYTES (Q4_0, Q4_1, Q5_0, Q8_0 per 32 weights; Q4_K, Q5_K, Q6_K per 256; F32, F16, BF16 as they are).
+Dequantized it equals, bit for bit, the float32 tensor gguf-py (and transformers) make of it; the native path
+differs from the dense one only in summation order (a relative ~1e-6 in the logits). FusedRows puts several
+(q|k|v, gate|up) side by side without copying them, whatever their types.
 """
 
 from __future__ import annotations
@@ -15,10 +17,16 @@ import torch
 
 from kvseal.kernels.build import load
 
-# GGML type ids the kernels take, and their block sizes in bytes (32 weights per block).
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+# GGML type ids the kernels take: (weights, bytes) per block as stored
+F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 8, 12, 13, 14, 30
+BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q8_0: (32, 34),
+          Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+FLOAT_TYPES = (F32, F16, BF16)
+# the quantized block types: what a loader keeps as PackedWeights of the file's bytes (float tensors may be handed
+# over as PackedWeights too, of their raw bytes, or as dense tensors: PackedWeight.of_dense)
+BLOCK_BYTES = {t: b for t, (_, b) in BLOCKS.items() if t not in FLOAT_TYPES}
+TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q8_0: "Q8_0",
+              Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 # At or above this many rows of x the weight is dequantized into a scratch tensor and multiplied by torch's
 # GEMM (MKL/oneDNN), which wins once the product is compute-bound (prefill chunks).
 DENSE_FROM_ROWS = 96
@@ -27,22 +35,44 @@ DENSE_FROM_ROWS = 96
 lib = load  # the library, built and loaded once per process (build.load is cached)
 
 
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one stored row of k weights. ValueError naming the type, k and the fix when no kernel takes it:
+    every type needs k a multiple of 32, the K-quants (whose super-blocks hold 256) a multiple of 256."""
+    if qtype not in BLOCKS:
+        names = ", ".join(TYPE_NAMES[t] for t in BLOCKS)
+        raise ValueError(f"GGML type {qtype} has no native kernel (supported: {names}); re-quantize the model to "
+                         "one of these")
+    elems, size = BLOCKS[qtype]
+    step = max(32, elems)
+    if k <= 0 or k % step:
+        raise ValueError(f"a {TYPE_NAMES[qtype]} weight needs an input size that is a multiple of {step}, got {k}; "
+                         f"re-quantize this tensor to a type with {'32-weight blocks (Q8_0, Q5_0)' if step > 32 else 'that size'}")
+    return k // elems * size
+
+
 @dataclass(frozen=True)
 class PackedWeight:
-    qtype: int  # Q4_0 | Q4_1 | Q8_0
+    qtype: int  # a key of BLOCKS
     n: int  # output features (rows)
-    k: int  # input features, a multiple of 32
-    data: torch.Tensor  # (n, k // 32 * BLOCK_BYTES[qtype]) uint8, contiguous, CPU
+    k: int  # input features: a multiple of 32 (256 for the K-quants)
+    data: torch.Tensor  # (n, row_bytes(qtype, k)) uint8, contiguous, CPU
 
     def __post_init__(self) -> None:
-        if self.qtype not in BLOCK_BYTES:
-            raise ValueError(f"GGML type {self.qtype} has no native kernel (supported: Q4_0, Q4_1, Q8_0)")
-        row = self.k // 32 * BLOCK_BYTES[self.qtype]
-        if self.k % 32 or tuple(self.data.shape) != (self.n, row) or self.data.dtype != torch.uint8:
+        row = row_bytes(self.qtype, self.k)
+        if tuple(self.data.shape) != (self.n, row) or self.data.dtype != torch.uint8:
             raise ValueError(f"packed {TYPE_NAMES[self.qtype]} weight ({self.n}, {self.k}) needs uint8 data of "
                              f"shape ({self.n}, {row}), got {tuple(self.data.shape)} {self.data.dtype}")
         if not self.data.is_contiguous():
             raise ValueError("packed weight data must be contiguous")
+
+    @staticmethod
+    def of_dense(w: torch.Tensor) -> PackedWeight:
+        """A float32, float16 or bfloat16 (N, K) tensor as an F32/F16/BF16 weight, sharing its memory."""
+        qtype = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}.get(w.dtype)
+        if qtype is None or w.dim() != 2:
+            raise ValueError(f"of_dense takes a 2-D float32/float16/bfloat16 tensor, got {w.dtype} {tuple(w.shape)}")
+        w = w.contiguous()
+        return PackedWeight(qtype, w.shape[0], w.shape[1], w.view(torch.uint8).view(w.shape[0], -1))
 
     @property
     def nbytes(self) -> int:
@@ -62,34 +92,107 @@ class PackedWeight:
         return out
 
 
-def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
-    """Fused projections (q|k|v, gate|up): rows are independent, so the blocks concatenate as bytes."""
-    if len({(p.qtype, p.k) for p in parts}) != 1:
-        raise ValueError("only weights of one type and input size can be fused")
-    return PackedWeight(parts[0].qtype, sum(p.n for p in parts), parts[0].k, torch.cat([p.data for p in parts]))
+MAX_SEGMENTS = 4  # kvs.h KVS_MAXSEG
+
+
+@dataclass(frozen=True)
+class FusedRows:
+    """Several weights of one input size as one (sum n, k) matrix (q|k|v, gate|up), each part kept where it is
+    and in its own type: the kernels write each part's outputs into its own columns of one result."""
+
+    parts: tuple[PackedWeight, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.parts) <= MAX_SEGMENTS or len({p.k for p in self.parts}) != 1:
+            raise ValueError(f"FusedRows takes 1 to {MAX_SEGMENTS} weights of one input size, got "
+                             f"{[(p.n, p.k) for p in self.parts]}")
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+    def dequantize(self) -> torch.Tensor:  # (n, k) float32
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+def fuse_rows(parts: Sequence[PackedWeight]) -> PackedWeight | FusedRows:
+    return parts[0] if len(parts) == 1 else FusedRows(tuple(parts))
 
 
 @dataclass(frozen=True)
 class QWeight:
-    """A Linear weight (N, K) repacked by kvs_qpack for kvs_qlinear: tiles of 16 output columns (qgemm.c)."""
+    """A Linear weight (N, K) for the fast arithmetic: up to MAX_SEGMENTS row segments (q|k|v), each repacked by
+    kvs_qpack from its own block type into tiles of 16 output columns (qpack.c), or a float weight as stored."""
 
-    qtype: int  # Q4_0 | Q4_1 | Q8_0, the block type it was packed from
-    n: int
+    qtypes: tuple[int, ...]
+    rows: tuple[int, ...]
     k: int
-    data: torch.Tensor  # uint8, kvs_qpacked_bytes(qtype, n, k) bytes
+    datas: tuple[torch.Tensor, ...]  # uint8, kvs_qpacked_bytes(qtype, rows, k) bytes each
 
     @staticmethod
-    def pack(w: PackedWeight) -> QWeight:
-        size = lib().kvs_qpacked_bytes(w.qtype, w.n, w.k)
-        if size < 0:
-            raise ValueError(f"cannot repack a {TYPE_NAMES.get(w.qtype, w.qtype)} weight ({w.n}, {w.k})")
-        out = torch.empty(size, dtype=torch.uint8)
-        _check(lib().kvs_qpack(w.qtype, w.data.data_ptr(), w.n, w.k, out.data_ptr()), "qpack")
-        return QWeight(w.qtype, w.n, w.k, out)
+    def packed_bytes(w: PackedWeight) -> int:
+        return int(lib().kvs_qpacked_bytes(w.qtype, w.n, w.k))
+
+    @staticmethod
+    def pack_into(w: PackedWeight, out: torch.Tensor) -> None:
+        """Repack w into out (QWeight.packed_bytes(w) uint8, contiguous: e.g. a slice of a cache file)."""
+        if out.dtype != torch.uint8 or out.numel() != QWeight.packed_bytes(w) or not out.is_contiguous():
+            raise ValueError(f"pack_into needs {QWeight.packed_bytes(w)} contiguous uint8 bytes")
+        rc = lib().kvs_qpack(w.qtype, w.data.data_ptr(), w.n, w.k, out.data_ptr())
+        _check(rc, f"qpack ({TYPE_NAMES.get(w.qtype, w.qtype)} ({w.n}, {w.k}))")
+
+    @staticmethod
+    def pack(*parts: PackedWeight) -> QWeight:
+        """The parts (one input size) as one matrix; float parts are used as stored (no copy)."""
+        if not 1 <= len(parts) <= MAX_SEGMENTS or len({p.k for p in parts}) != 1:
+            raise ValueError(f"QWeight.pack takes 1 to {MAX_SEGMENTS} weights of one input size")
+        datas = []
+        for w in parts:
+            if w.qtype in FLOAT_TYPES:
+                datas.append(w.data.view(-1))
+                continue
+            size = QWeight.packed_bytes(w)
+            if size < 0:
+                raise ValueError(f"cannot repack a {TYPE_NAMES.get(w.qtype, w.qtype)} weight ({w.n}, {w.k})")
+            out = torch.empty(size, dtype=torch.uint8)
+            QWeight.pack_into(w, out)
+            datas.append(out)
+        return QWeight(tuple(p.qtype for p in parts), tuple(p.n for p in parts), parts[0].k, tuple(datas))
+
+    @property
+    def n(self) -> int:
+        return sum(self.rows)
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        return sum(d.numel() for d in self.datas)
+
+
+class MatDesc(ctypes.Structure):
+    """C's kvs_mat (kvs.h): a matrix as row segments, each of one type."""
+
+    _fields_ = [("nseg", ctypes.c_int32), ("type", ctypes.c_int32 * MAX_SEGMENTS),
+                ("rows", ctypes.c_int64 * MAX_SEGMENTS), ("data", ctypes.c_void_p * MAX_SEGMENTS)]
+
+
+Blocks = PackedWeight | FusedRows | QWeight
+
+
+def mat_desc(w: Blocks) -> MatDesc:
+    if isinstance(w, QWeight):
+        segs = list(zip(w.qtypes, w.rows, (d.data_ptr() for d in w.datas), strict=True))
+    else:
+        parts = w.parts if isinstance(w, FusedRows) else (w,)
+        segs = [(p.qtype, p.n, p.data.data_ptr()) for p in parts]
+    d = MatDesc()
+    d.nseg = len(segs)
+    for i, (t, n, ptr) in enumerate(segs):
+        d.type[i], d.rows[i], d.data[i] = t, n, ptr
+    return d
 
 
 def set_threads(n: int) -> None:
@@ -108,7 +211,7 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"native kernel {what} rejected its arguments (code {rc})")
 
 
-def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, w: PackedWeight | FusedRows, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) float32 -> (M, N) = x @ W^T (+ bias)."""
     if x.shape[0] == 0:  # e.g. the lm_head of a prefill chunk that ends no prompt
         return torch.empty(0, w.n, dtype=torch.float32)
@@ -118,7 +221,8 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     if x.dtype != torch.float32 or x.shape[-1] != w.k:
         raise ValueError(f"packed_linear takes float32 (M, {w.k}) inputs, got {x.dtype} {tuple(x.shape)}")
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
-    _check(lib().kvs_gemm(w.qtype, w.data.data_ptr(), w.n, w.k, x.data_ptr(), x.shape[0], y.data_ptr()), "gemm")
+    m = mat_desc(w)
+    _check(lib().kvs_gemm_mat(ctypes.byref(m), w.k, x.data_ptr(), x.shape[0], y.data_ptr()), "gemm")
     return y if bias is None else y + bias
 
 
@@ -170,25 +274,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class LayerDesc(ctypes.Structure):
-    """C's kvs_layer: one layer's weights for kvs_decode_forward (pointers into tensors the model keeps)."""
+    """C's kvs_layer (kvs.h): one layer's weights (pointers into tensors the model keeps)."""
 
-    _fields_ = [("t_qkv", ctypes.c_int32), ("t_o", ctypes.c_int32), ("t_gu", ctypes.c_int32),
-                ("t_down", ctypes.c_int32), ("w_qkv", ctypes.c_void_p), ("w_o", ctypes.c_void_p),
-                ("w_gu", ctypes.c_void_p), ("w_down", ctypes.c_void_p), ("b_qkv", ctypes.c_void_p),
+    _fields_ = [("qkv", MatDesc), ("o", MatDesc), ("gu", MatDesc), ("down", MatDesc), ("b_qkv", ctypes.c_void_p),
                 ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p)]
-
-
-Blocks = PackedWeight | QWeight
 
 
 def layer_table(layers: Sequence[tuple[Blocks, Blocks, Blocks, Blocks, torch.Tensor | None, torch.Tensor, torch.Tensor]]
                 ) -> ctypes.Array[LayerDesc]:
     """(wqkv, wo, w_gate_up, w_down, bqkv, ln1, ln2) per layer -> the C array (GGUF blocks for kvs_decode_forward,
-    repacked blocks for kvs_forward_fast). The caller keeps the tensors."""
+    QWeights for kvs_forward_fast). The caller keeps the tensors."""
     table = (LayerDesc * len(layers))()
     for d, (qkv, o, gu, down, b, ln1, ln2) in zip(table, layers, strict=True):
-        d.t_qkv, d.t_o, d.t_gu, d.t_down = qkv.qtype, o.qtype, gu.qtype, down.qtype
-        d.w_qkv, d.w_o, d.w_gu, d.w_down = (w.data.data_ptr() for w in (qkv, o, gu, down))
+        d.qkv, d.o, d.gu, d.down = (mat_desc(w) for w in (qkv, o, gu, down))
         d.b_qkv = None if b is None else b.data_ptr()
         d.ln1, d.ln2 = ln1.data_ptr(), ln2.data_ptr()
     return table
@@ -216,30 +314,20 @@ def decode_forward(table: ctypes.Array[LayerDesc], dims: tuple[int, int, int, in
 # -- the fast arithmetic: int8 activations x packed weights, paged attention over the "kt" page layout --------
 
 
-def quantize_q8_0(w: torch.Tensor) -> PackedWeight:
-    """A dense (N, K) weight as GGUF Q8_0 blocks (d = max|w| / 127 per 32 inputs, fp16; q = round(w / d)), for
-    checkpoints that carry no blocks of their own (safetensors). K must be a multiple of 32."""
-    n, k = w.shape
-    if k % 32:
-        raise ValueError(f"Q8_0 needs an input size that is a multiple of 32, got {k}")
-    blocks = w.detach().to(torch.float32).reshape(n, k // 32, 32)
-    d = (blocks.abs().amax(-1) / 127.0).to(torch.float16)  # (n, k/32), rounded as stored
-    inv = torch.where(d > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
-    q = torch.round(blocks * inv[..., None]).clamp_(-127, 127).to(torch.int8)
-    data = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2), q.view(torch.uint8)], dim=-1)
-    return PackedWeight(Q8_0, n, k, data.reshape(n, -1).contiguous())
-
-
 def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) float32 -> (M, N): each row of x quantized to int8 per 32 inputs, integer dot products, float32
-    scales. Row m of the result depends on row m of x only (batch invariance; qgemm.c)."""
+    scales (float segments: float32 FMA). Row m of the result depends on row m of x only (batch invariance;
+    qgemm.c)."""
     if x.shape[0] == 0:
         return torch.empty(0, w.n, dtype=torch.float32)
     x = x.contiguous()
     if x.dtype != torch.float32 or x.shape[-1] != w.k:
         raise ValueError(f"qlinear takes float32 (M, {w.k}) inputs, got {x.dtype} {tuple(x.shape)}")
     y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
-    _check(lib().kvs_qlinear(w.qtype, w.data.data_ptr(), w.n, w.k, x.data_ptr(), x.shape[0], y.data_ptr()), "qlinear")
+    scratch = torch.empty(int(lib().kvs_qscratch_bytes(x.shape[0], w.k)), dtype=torch.uint8)
+    m = mat_desc(w)
+    rc = lib().kvs_qlinear_mat(ctypes.byref(m), w.k, x.data_ptr(), x.shape[0], y.data_ptr(), scratch.data_ptr())
+    _check(rc, "qlinear")
     return y if bias is None else y + bias
 
 

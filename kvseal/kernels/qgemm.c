@@ -1,22 +1,20 @@
-/* kvseal's fast matrix products: int8 activations times 4/8-bit weights with integer dot products.
+/* kvseal's fast matrix products: int8 activations times the weights' own 4/5/6/8-bit blocks with integer dot
+ * products, or float weights (F32, F16, BF16) as they are.
  *
- *  kvs_qpack           GGUF rows (Q4_0, Q4_1, Q8_0) -> tiles of 16 output columns laid out for dot products
- *  kvs_qlinear         y (M, N) = x (M, K) @ W^T: each row of x is quantized to int8 per block of 32
+ *  kvs_qlinear_mat     y (M, N) = x (M, K) @ W^T for a matrix of row segments (kvs.h), each packed by kvs_qpack
+ *                      (qpack.c) from its own block type: each row of x is quantized once to int8 per block of 32
  *                      (scale = max|x| / 127, round to nearest even), the 32-term dot products are exact int32
- *                      sums, then scaled in float32 block by block in a fixed order.
+ *                      sums (with the weights' integer sub-block scales for Q6_K), then scaled in float32 block by
+ *                      block in a fixed order (qtile.h). Segments of mixed types (q|k Q4_K, v Q6_K) run fused:
+ *                      one quantization of x, one parallel pass over all their tiles. Float segments are multiplied
+ *                      as stored by the exact kernel (kvs_gemm_ld: float32 FMA, also batch invariant).
+ *  kvs_qlinear         one segment, scratch of its own.
  *  kvs_qisa            which instruction set the dispatcher picked (3 avx512-vnni, 2 avx-vnni, 1 avx2)
  *
  * Invariant (batch invariance): an element y[m, n] is computed by one thread, from row m of x and column n of
  * W only, with the same float operations in the same order whatever M is, whichever rows share the call, and
  * whichever instruction set runs it (the integer sums are exact; the float steps are the same lane-wise fma/mul
  * on every path). So a request's output does not depend on what else is in the batch.
- *
- * Packed layout, per tile of 16 columns (n0..n0+15; columns past N are zero) and block b of 32 inputs:
- *   Q4 (Q4_0, Q4_1): 4 chunks of 64 bytes, chunk c holds for lane j the 4 bytes qs_j[4c..4c+3] of the GGUF
- *       block: low nibbles are weights 4c..4c+3, high nibbles weights 16+4c..16+4c+3 (ggml's nibble order);
- *       then 16 fp16 scales d and 16 fp16 offsets m (Q4_0: m = -8 d), so w = d * q + m.
- *   Q8 (Q8_0): 8 chunks of 64 bytes, chunk g holds for lane j the int8 weights 4g..4g+3; then 16 fp16 d.
- * Tiles are stored one after another, a tile's blocks contiguous, so a thread streams its tiles in order.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -24,73 +22,26 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q8_0 = 8 };
-#define QK 32
-#define NT 16
-#define Q4_TB (4 * 64 + 2 * 32)
-#define Q8_TB (8 * 64 + 32)
+#include "qgemm.h"
+
 #ifndef MR512
 #define MR512 8 /* rows of x per micro-kernel call: 512-bit paths (32 registers) */
 #endif
-#define MR256 4 /* 256-bit paths (16 registers) */
+#define MR256 6 /* 256-bit paths (16 registers): 6 rows for the 4/5-bit types, 4 for Q6_K and Q8_0 (measured:
+                   their extra weight registers make 6 rows spill) */
 
-static int64_t tile_block_bytes(int type) {
-    return type == QT_Q4_0 || type == QT_Q4_1 ? Q4_TB : type == QT_Q8_0 ? Q8_TB : -1;
-}
-
-int64_t kvs_qpacked_bytes(int type, int64_t N, int64_t K) {
-    int64_t tb = tile_block_bytes(type);
-    if (tb < 0 || N <= 0 || K <= 0 || K % QK) return -1;
-    return (N + NT - 1) / NT * (K / QK) * tb;
-}
-
-static inline uint16_t f2h(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
-static inline float h2f16(uint16_t h) { return _cvtsh_ss(h); }
-
-/* w: N GGUF rows of K/32 blocks -> out (kvs_qpacked_bytes). -1 bad arguments, -5 a Q4_0 offset overflows fp16. */
-int kvs_qpack(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
-    int64_t total = kvs_qpacked_bytes(type, N, K);
-    if (total < 0) return -1;
-    const int64_t nb = K / QK, tb = tile_block_bytes(type), ntiles = (N + NT - 1) / NT;
-    const int64_t gb = type == QT_Q4_1 ? 20 : type == QT_Q4_0 ? 18 : 34; /* GGUF block bytes */
-    memset(out, 0, (size_t)total);
-    int bad = 0;
-    for (int64_t t = 0; t < ntiles; t++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *dst = out + (t * nb + b) * tb;
-            for (int64_t j = 0; j < NT; j++) {
-                int64_t n = t * NT + j;
-                if (n >= N) continue;
-                const uint8_t *src = w + n * nb * gb + b * gb;
-                uint16_t d;
-                memcpy(&d, src, 2);
-                if (type == QT_Q8_0) {
-                    for (int g = 0; g < 8; g++) memcpy(dst + 64 * g + 4 * j, src + 2 + 4 * g, 4);
-                    memcpy(dst + 8 * 64 + 2 * j, &d, 2);
-                } else {
-                    const uint8_t *qs = src + (type == QT_Q4_1 ? 4 : 2);
-                    for (int c = 0; c < 4; c++) memcpy(dst + 64 * c + 4 * j, qs + 4 * c, 4);
-                    uint16_t m;
-                    if (type == QT_Q4_1) {
-                        memcpy(&m, src + 2, 2);
-                    } else {
-                        float mf = -8.0f * h2f16(d); /* exact: a power-of-two multiple, unless it overflows */
-                        if (!isfinite(mf) || fabsf(mf) > 65504.0f) bad = 1;
-                        m = f2h(mf);
-                    }
-                    memcpy(dst + 4 * 64 + 2 * j, &d, 2);
-                    memcpy(dst + 4 * 64 + 32 + 2 * j, &m, 2);
-                }
-            }
-        }
-    return bad ? -5 : 0;
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    return _mm_cvtsi128_si32(s4);
 }
 
 /* One row of x -> int8 qx (K), per block: dx = max|x| / 127 (0 for an all-zero block), sx = sum(qx),
    dxs = dx * sx (Q4's offset term); q = x * (127 / max|x|) rounded to nearest even, within [-127, 127].
    AVX2 (the library's baseline): lane-wise the same operations as the scalar definition, so every CPU that
    runs kvseal gets the same bits. */
-static void quantize_row(const float *x, int64_t K, int8_t *qx, float *dx, int32_t *sx, float *dxs) {
+static void quantize_row(const float *x, int64_t K, int8_t *qx, float *dx, int32_t *sx, float *dxs, int32_t *bs32) {
     const __m256 sign = _mm256_set1_ps(-0.0f), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
@@ -115,6 +66,10 @@ static void quantize_row(const float *x, int64_t K, int8_t *qx, float *dx, int32
         __m256i bytes = _mm256_packs_epi16(w01, w23);
         bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(qx + b * QK), bytes);
+        /* q[0] + q[1] holds inputs 0..15 (in 8 lanes), q[2] + q[3] inputs 16..31 */
+        __m256i ha = _mm256_add_epi32(q[0], q[1]), hb2 = _mm256_add_epi32(q[2], q[3]);
+        bs32[2 * b] = 32 * hsum_epi32(ha);
+        bs32[2 * b + 1] = 32 * hsum_epi32(hb2);
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
@@ -125,169 +80,141 @@ static void quantize_row(const float *x, int64_t K, int8_t *qx, float *dx, int32
     }
 }
 
-typedef struct {
-    const int8_t *qx; /* (M, K) */
-    const float *dx, *dxs; /* (M, K/32) */
-    const int32_t *sx;
-} qrows;
 
-/* ---- AVX-512 VNNI: one 512-bit vector = the 16 columns of a tile --------------------------------------- */
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
-static inline __attribute__((always_inline)) void tile_avx512_body(
-        int type, const uint8_t *tile, int64_t nb, const qrows *x, int64_t K, int64_t m0, const int mr, float *y,
-        int64_t ldy, int64_t ncols) {
-    const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[MR512];
-    for (int r = 0; r < MR512; r++) acc[r] = _mm512_setzero_ps();
-    const int64_t tb = tile_block_bytes(type);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = tile + b * tb;
-        __m512i ia[MR512], ib[MR512];
-        for (int r = 0; r < MR512; r++) ia[r] = ib[r] = _mm512_setzero_si512();
-        if (type == QT_Q8_0) {
-            for (int g = 0; g < 8; g += 2) {
-                __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * g), flip);      /* q + 128 as u8 */
-                __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * g + 64), flip);
-                for (int r = 0; r < mr; r++) {
-                    const int8_t *xr = x->qx + (m0 + r) * K + b * QK;
-                    ia[r] = _mm512_dpbusd_epi32(ia[r], w0, _mm512_set1_epi32(*(const int32_t *)(xr + 4 * g)));
-                    ib[r] = _mm512_dpbusd_epi32(ib[r], w1, _mm512_set1_epi32(*(const int32_t *)(xr + 4 * g + 4)));
-                }
-            }
-            __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 8 * 64)));
-            for (int r = 0; r < mr; r++) {
-                int64_t i = (m0 + r) * (K / QK) + b;
-                __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(ia[r], ib[r]), _mm512_set1_epi32(128 * x->sx[i]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(x->dx[i])), acc[r]);
-            }
-        } else {
-            for (int c = 0; c < 4; c++) {
-                __m512i w = _mm512_loadu_si512(blk + 64 * c);
-                __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
-                for (int r = 0; r < mr; r++) {
-                    const int8_t *xr = x->qx + (m0 + r) * K + b * QK;
-                    ia[r] = _mm512_dpbusd_epi32(ia[r], lo, _mm512_set1_epi32(*(const int32_t *)(xr + 4 * c)));
-                    ib[r] = _mm512_dpbusd_epi32(ib[r], hi, _mm512_set1_epi32(*(const int32_t *)(xr + 16 + 4 * c)));
-                }
-            }
-            __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 4 * 64)));
-            __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 4 * 64 + 32)));
-            for (int r = 0; r < mr; r++) {
-                int64_t i = (m0 + r) * (K / QK) + b;
-                __m512i dot = _mm512_add_epi32(ia[r], ib[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(x->dx[i])), acc[r]);
-                acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x->dxs[i]), acc[r]);
-            }
-        }
-    }
-    __mmask16 k = (__mmask16)(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
-    for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(y + r * ldy, k, acc[r]);
-}
-static void tile_avx512(int type, const uint8_t *tile, int64_t nb, const qrows *x, int64_t K, int64_t m0,
-                        int64_t mr, float *y, int64_t ldy, int64_t ncols) {
-    switch (mr) { /* constant row counts: the accumulators stay in registers */
-        case 8: tile_avx512_body(type, tile, nb, x, K, m0, 8, y, ldy, ncols); break;
-        case 7: tile_avx512_body(type, tile, nb, x, K, m0, 7, y, ldy, ncols); break;
-        case 6: tile_avx512_body(type, tile, nb, x, K, m0, 6, y, ldy, ncols); break;
-        case 5: tile_avx512_body(type, tile, nb, x, K, m0, 5, y, ldy, ncols); break;
-        case 4: tile_avx512_body(type, tile, nb, x, K, m0, 4, y, ldy, ncols); break;
-        case 3: tile_avx512_body(type, tile, nb, x, K, m0, 3, y, ldy, ncols); break;
-        case 2: tile_avx512_body(type, tile, nb, x, K, m0, 2, y, ldy, ncols); break;
-        default: tile_avx512_body(type, tile, nb, x, K, m0, 1, y, ldy, ncols); break;
-    }
-}
-#pragma GCC pop_options
+/* ---- the micro-kernel per instruction set (qtile.h) ------------------------------------------------------ */
+#define F_SET1(v) _mm256_set1_ps(v)
+#define F_ZERO() _mm256_setzero_ps()
+#define F_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define F_MUL(a, b) _mm256_mul_ps(a, b)
+#define F_CVT(i) _mm256_cvtepi32_ps(i)
+#define F_LOADH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define F_LOADU8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define I_ZERO() _mm256_setzero_si256()
+#define I_SET1_8(v) _mm256_set1_epi8(v)
+#define I_SET1_32(v) _mm256_set1_epi32(v)
+#define I_LOADW(p) _mm256_loadu_si256((const __m256i *)(p))
+#define I_LOADI8(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define I_AND(a, b) _mm256_and_si256(a, b)
+#define I_OR(a, b) _mm256_or_si256(a, b)
+#define I_SRLI16(a, n) _mm256_srli_epi16(a, n)
+#define I_SLLI32(a, n) _mm256_slli_epi32(a, n)
+#define I_SRLI32(a, n) _mm256_srli_epi32(a, n)
+#define I_ADD32(a, b) _mm256_add_epi32(a, b)
+#define I_SUB32(a, b) _mm256_sub_epi32(a, b)
+#define I_MULLO(a, b) _mm256_mullo_epi32(a, b)
+#define VF __m256
+#define VI __m256i
+#define NV 8
+#define MRX MR256
+#define STORE(yp, v, nc)                                                   \
+    do {                                                                   \
+        if ((nc) >= 8) {                                                   \
+            _mm256_storeu_ps(yp, v);                                       \
+        } else if ((nc) > 0) {                                             \
+            float tmp_[8];                                                 \
+            _mm256_storeu_ps(tmp_, v);                                     \
+            memcpy(yp, tmp_, sizeof(float) * (size_t)(nc));                \
+        }                                                                  \
+    } while (0)
+#define TILE_ROWS(T) TILE_CASE(T, 6) TILE_CASE(T, 5) TILE_CASE(T, 4) TILE_CASE(T, 3) TILE_CASE(T, 2)
+#define Q8_FIX(is, sx) ((void)0)
 
-/* ---- 256-bit paths: two vectors of 8 columns per tile; integer dot products by AVX-VNNI or AVX2 --------- */
-/* instantiated between #pragma GCC target lines (a _Pragma inside the macro is lost by GCC 12) */
-#define DEFINE_TILE256(NAME, DPBUSD)                                                                            \
-    static inline __attribute__((always_inline)) void NAME##_body(int type, const uint8_t *tile, int64_t nb,    \
-            const qrows *x, int64_t K, int64_t m0, const int mr, float *y, int64_t ldy, int64_t ncols) {         \
-        const __m256i nib = _mm256_set1_epi8(0x0F);                                                             \
-        const int64_t tb = tile_block_bytes(type);                                                              \
-        for (int half = 0; half < 2; half++) {                                                                  \
-            __m256 acc[MR256];                                                                                  \
-            for (int r = 0; r < MR256; r++) acc[r] = _mm256_setzero_ps();                                       \
-            for (int64_t b = 0; b < nb; b++) {                                                                  \
-                const uint8_t *blk = tile + b * tb + 32 * half;                                                 \
-                __m256i ia[MR256];                                                                              \
-                for (int r = 0; r < MR256; r++) ia[r] = _mm256_setzero_si256();                                 \
-                if (type == QT_Q8_0) {                                                                          \
-                    for (int g = 0; g < 8; g++) {                                                               \
-                        __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 64 * g));                        \
-                        __m256i aw = _mm256_abs_epi8(w);                                                        \
-                        for (int r = 0; r < mr; r++) {                                                          \
-                            const int8_t *xr = x->qx + (m0 + r) * K + b * QK;                                   \
-                            __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xr + 4 * g));                     \
-                            ia[r] = DPBUSD(ia[r], aw, _mm256_sign_epi8(xv, w)); /* |w| * (x sign w) = w x */    \
-                        }                                                                                       \
-                    }                                                                                           \
-                    __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + b * tb + 8 * 64 + 16 * half))); \
-                    for (int r = 0; r < mr; r++) {                                                              \
-                        int64_t i = (m0 + r) * (K / QK) + b;                                                    \
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]),                                     \
-                                                 _mm256_mul_ps(dw, _mm256_set1_ps(x->dx[i])), acc[r]);          \
-                    }                                                                                           \
-                } else {                                                                                        \
-                    for (int c = 0; c < 4; c++) {                                                               \
-                        __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 64 * c));                        \
-                        __m256i lo = _mm256_and_si256(w, nib), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib); \
-                        for (int r = 0; r < mr; r++) {                                                          \
-                            const int8_t *xr = x->qx + (m0 + r) * K + b * QK;                                   \
-                            ia[r] = DPBUSD(ia[r], lo, _mm256_set1_epi32(*(const int32_t *)(xr + 4 * c)));       \
-                            ia[r] = DPBUSD(ia[r], hi, _mm256_set1_epi32(*(const int32_t *)(xr + 16 + 4 * c)));  \
-                        }                                                                                       \
-                    }                                                                                           \
-                    const uint8_t *sc = tile + b * tb + 4 * 64 + 16 * half;                                     \
-                    __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));                          \
-                    __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32)));                   \
-                    for (int r = 0; r < mr; r++) {                                                              \
-                        int64_t i = (m0 + r) * (K / QK) + b;                                                    \
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r]),                                     \
-                                                 _mm256_mul_ps(dw, _mm256_set1_ps(x->dx[i])), acc[r]);          \
-                        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x->dxs[i]), acc[r]);                        \
-                    }                                                                                           \
-                }                                                                                               \
-            }                                                                                                   \
-            int64_t c0 = 8 * half, nc = ncols - c0 < 8 ? ncols - c0 : 8;                                        \
-            for (int r = 0; r < mr; r++) {                                                                      \
-                if (nc == 8) {                                                                                  \
-                    _mm256_storeu_ps(y + r * ldy + c0, acc[r]);                                                 \
-                } else if (nc > 0) {                                                                            \
-                    float tmp[8];                                                                               \
-                    _mm256_storeu_ps(tmp, acc[r]);                                                              \
-                    memcpy(y + r * ldy + c0, tmp, sizeof(float) * (size_t)nc);                                  \
-                }                                                                                               \
-            }                                                                                                   \
-        }                                                                                                       \
-    }                                                                                                           \
-    static void NAME(int type, const uint8_t *tile, int64_t nb, const qrows *x, int64_t K, int64_t m0,         \
-                     int64_t mr, float *y, int64_t ldy, int64_t ncols) {                                       \
-        switch (mr) {                                                                                           \
-            case 4: NAME##_body(type, tile, nb, x, K, m0, 4, y, ldy, ncols); break;                             \
-            case 3: NAME##_body(type, tile, nb, x, K, m0, 3, y, ldy, ncols); break;                             \
-            case 2: NAME##_body(type, tile, nb, x, K, m0, 2, y, ldy, ncols); break;                             \
-            default: NAME##_body(type, tile, nb, x, K, m0, 1, y, ldy, ncols); break;                            \
-        }                                                                                                       \
-    }
-
-/* AVX2: u8 x s8 pairs -> s16 (no saturation here: |q| <= 15 for Q4, and |w| <= 128, |x| <= 127 for Q8 give
-   at most 2 * 128 * 127 < 32768), then pairs of s16 -> s32. The sum is the same integer as VNNI's. */
+/* AVX2: u8 x s8 pairs -> s16 (8 products of 4-bit weights, 4 of 5-bit, 2 of 6-bit fit in s16: at most
+   8 * 2 * 15 * 127 < 32768), flushed to s32 by a multiply-add with ones. Q8_0: |w| x (x signed like w), each pair
+   at most 2 * 128 * 127, flushed at once. The sums are the same integers as VNNI's. */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-static inline __m256i dpbusd_avx2(__m256i acc, __m256i u, __m256i s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-DEFINE_TILE256(tile_avx2, dpbusd_avx2)
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avxvnni")
-DEFINE_TILE256(tile_avxvnni, _mm256_dpbusd_avx_epi32)
+#define ISA avx2
+#define PROD(a, u, s) _mm256_add_epi16(a, _mm256_maddubs_epi16(u, s))
+#define FLUSH(is, a) (is = _mm256_add_epi32(is, _mm256_madd_epi16(a, _mm256_set1_epi16(1))), a = _mm256_setzero_si256())
+#define Q8_DOT(is, w, xv) \
+    (is = _mm256_add_epi32(is, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), _mm256_set1_epi16(1))))
+#include "qtile.h"
+#undef ISA
+#undef PROD
+#undef FLUSH
+#undef Q8_DOT
 #pragma GCC pop_options
 
-typedef void (*tile_fn)(int, const uint8_t *, int64_t, const qrows *, int64_t, int64_t, int64_t, float *, int64_t,
-                        int64_t);
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+#define ISA avxvnni
+#define PROD(a, u, s) _mm256_dpbusd_avx_epi32(a, u, s)
+#define FLUSH(is, a) (is = _mm256_add_epi32(is, a), a = _mm256_setzero_si256())
+#define Q8_DOT(is, w, xv) (is = _mm256_dpbusd_avx_epi32(is, _mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)))
+#include "qtile.h"
+#undef ISA
+#undef PROD
+#undef FLUSH
+#undef Q8_DOT
+#pragma GCC pop_options
+
+#undef F_SET1
+#undef F_ZERO
+#undef F_FMA
+#undef F_MUL
+#undef F_CVT
+#undef F_LOADH
+#undef F_LOADU8
+#undef I_ZERO
+#undef I_SET1_8
+#undef I_SET1_32
+#undef I_LOADW
+#undef I_LOADI8
+#undef I_AND
+#undef I_OR
+#undef I_SRLI16
+#undef I_SLLI32
+#undef I_SRLI32
+#undef I_ADD32
+#undef I_SUB32
+#undef I_MULLO
+#undef VF
+#undef VI
+#undef NV
+#undef MRX
+#undef STORE
+#undef TILE_ROWS
+#undef Q8_FIX
+
+/* AVX-512 VNNI: one 512-bit vector = the 16 columns of a tile. Q8_0 as (w + 128) x x - 128 sum(x). */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
+#define F_SET1(v) _mm512_set1_ps(v)
+#define F_ZERO() _mm512_setzero_ps()
+#define F_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define F_MUL(a, b) _mm512_mul_ps(a, b)
+#define F_CVT(i) _mm512_cvtepi32_ps(i)
+#define F_LOADH(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define F_LOADU8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define I_ZERO() _mm512_setzero_si512()
+#define I_SET1_8(v) _mm512_set1_epi8(v)
+#define I_SET1_32(v) _mm512_set1_epi32(v)
+#define I_LOADW(p) _mm512_loadu_si512((const void *)(p))
+#define I_LOADI8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define I_AND(a, b) _mm512_and_si512(a, b)
+#define I_OR(a, b) _mm512_or_si512(a, b)
+#define I_SRLI16(a, n) _mm512_srli_epi16(a, n)
+#define I_SLLI32(a, n) _mm512_slli_epi32(a, n)
+#define I_SRLI32(a, n) _mm512_srli_epi32(a, n)
+#define I_ADD32(a, b) _mm512_add_epi32(a, b)
+#define I_SUB32(a, b) _mm512_sub_epi32(a, b)
+#define I_MULLO(a, b) _mm512_mullo_epi32(a, b)
+#define VF __m512
+#define VI __m512i
+#define NV 16
+#define MRX MR512
+#define STORE(yp, v, nc) \
+    _mm512_mask_storeu_ps(yp, (__mmask16)((nc) >= 16 ? 0xFFFF : (1u << (nc)) - 1), v)
+#define TILE_ROWS(T) \
+    TILE_CASE(T, 8) TILE_CASE(T, 7) TILE_CASE(T, 6) TILE_CASE(T, 5) TILE_CASE(T, 4) TILE_CASE(T, 3) TILE_CASE(T, 2)
+#define ISA avx512
+#define PROD(a, u, s) _mm512_dpbusd_epi32(a, u, s)
+#define FLUSH(is, a) (is = _mm512_add_epi32(is, a), a = _mm512_setzero_si512())
+#define Q8_DOT(is, w, xv) (is = _mm512_dpbusd_epi32(is, _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)), xv))
+#define Q8_FIX(is, sx) (is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * (sx))))
+#include "qtile.h"
+#pragma GCC pop_options
 
 static int chosen_isa(void) {
     static int isa = 0;
@@ -305,40 +232,62 @@ static int chosen_isa(void) {
 
 int kvs_qisa(void) { return chosen_isa(); }
 
-/* Bytes of scratch kvs_qlinear_into needs for M rows of K inputs: the int8 rows and their block scales. */
-int64_t kvs_qscratch_bytes(int64_t M, int64_t K) { return M * K + M * (K / QK) * 12; }
+/* Bytes of scratch kvs_qlinear_mat needs for M rows of K inputs: the int8 rows and their block sums and scales. */
+int64_t kvs_qscratch_bytes(int64_t M, int64_t K) { return M * K + M * (K / QK) * 20; }
 
-/* y (M, N) = x (M, K) @ W^T for W packed by kvs_qpack, with caller-owned scratch (kvs_qscratch_bytes). Threads
-   split the tiles (never K). */
-int kvs_qlinear_into(int type, const uint8_t *packed, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                     void *scratch) {
-    if (kvs_qpacked_bytes(type, N, K) < 0 || M <= 0) return -1;
-    const int64_t nb = K / QK, ntiles = (N + NT - 1) / NT, tb = tile_block_bytes(type);
-    int8_t *qx = (int8_t *)scratch;
-    float *dx = (float *)(qx + M * K), *dxs = dx + M * nb;
-    int32_t *sx = (int32_t *)(dxs + M * nb);
-#pragma omp parallel for schedule(static) if (M * K > 16384)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb, dxs + m * nb);
-    const qrows xr = {qx, dx, dxs, sx};
-    const int isa = chosen_isa();
-    const tile_fn fn = isa == 3 ? tile_avx512 : isa == 2 ? tile_avxvnni : tile_avx2;
-    const int64_t mr = isa == 3 ? MR512 : MR256;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < ntiles; t++) {
-        const uint8_t *tile = packed + t * nb * tb;
-        int64_t ncols = N - t * NT < NT ? N - t * NT : NT;
-        for (int64_t m = 0; m < M; m += mr)
-            fn(type, tile, nb, &xr, K, m, M - m < mr ? M - m : mr, y + m * N + t * NT, N, ncols);
+static int is_float(int type) { return type == QT_F32 || type == QT_F16 || type == QT_BF16; }
+
+/* y (M, N) = x (M, K) @ W^T, N the rows of all segments, with caller-owned scratch (kvs_qscratch_bytes).
+   Threads split the tiles of every quantized segment in one pass (never K). */
+int kvs_qlinear_mat(const kvs_mat *mat, int64_t K, const float *x, int64_t M, float *y, void *scratch) {
+    if (mat->nseg < 1 || mat->nseg > KVS_MAXSEG || M <= 0) return -1;
+    const int64_t N = kvs_mat_rows(mat), nb = K / QK;
+    int64_t tile0[KVS_MAXSEG + 1] = {0}; /* first tile of each segment in the pass; float segments have none */
+    for (int s = 0; s < mat->nseg; s++) {
+        if (mat->rows[s] <= 0 || kvs_qpacked_bytes(mat->type[s], mat->rows[s], K) < 0) return -1;
+        tile0[s + 1] = tile0[s] + (is_float(mat->type[s]) ? 0 : (mat->rows[s] + NT - 1) / NT);
     }
+    const int64_t ntiles = tile0[mat->nseg];
+    if (ntiles > 0) {
+        int8_t *qx = (int8_t *)scratch;
+        float *dx = (float *)(qx + M * K), *dxs = dx + M * nb;
+        int32_t *sx = (int32_t *)(dxs + M * nb), *bs32 = sx + M * nb;
+#pragma omp parallel for schedule(static) if (M * K > 16384)
+        for (int64_t m = 0; m < M; m++)
+            quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb, dxs + m * nb, bs32 + 2 * m * nb);
+        const qrows xr = {qx, dx, dxs, sx, bs32};
+        const int isa = chosen_isa();
+        const tile_fn fn = isa == 3 ? tile_avx512 : isa == 2 ? tile_avxvnni : tile_avx2;
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < ntiles; t++) {
+            int s = 0;
+            int64_t c0 = 0;
+            while (t >= tile0[s + 1]) c0 += mat->rows[s++];
+            const int type = mat->type[s];
+            const int64_t lt = t - tile0[s], nu = K / kvs_qunit_elems(type);
+            const uint8_t *tile = mat->data[s] + lt * nu * kvs_qunit_bytes(type);
+            const int64_t ncols = mat->rows[s] - lt * NT < NT ? mat->rows[s] - lt * NT : NT;
+            float *yt = y + c0 + lt * NT;
+            const int64_t mr = isa == 3 ? MR512 : type == QT_Q6_K || type == QT_Q8_0 ? 4 : MR256;
+            for (int64_t m = 0; m < M; m += mr) fn(type, tile, nu, &xr, K, m, M - m < mr ? M - m : mr, yt + m * N, N, ncols);
+        }
+    }
+    int64_t c0 = 0;
+    for (int s = 0; s < mat->nseg; c0 += mat->rows[s], s++)
+        if (is_float(mat->type[s])) {
+            int rc = kvs_gemm_ld(mat->type[s], mat->data[s], mat->rows[s], K, x, M, y + c0, N);
+            if (rc) return rc;
+        }
     return 0;
 }
 
-/* kvs_qlinear_into with scratch of its own */
+/* one packed segment, scratch of its own */
 int kvs_qlinear(int type, const uint8_t *packed, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
     if (kvs_qpacked_bytes(type, N, K) < 0 || M <= 0) return -1;
     void *scratch = malloc((size_t)kvs_qscratch_bytes(M, K));
     if (!scratch) return -4;
-    int rc = kvs_qlinear_into(type, packed, N, K, x, M, y, scratch);
+    kvs_mat mat = {1, {type}, {N}, {packed}};
+    int rc = kvs_qlinear_mat(&mat, K, x, M, y, scratch);
     free(scratch);
     return rc;
 }
@@ -353,9 +302,13 @@ int kvs_qlinear(int type, const uint8_t *packed, int64_t N, int64_t K, const flo
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vnni,avx512bf16")
 /* 12 independent 512-bit instructions per round, `rounds` times: kind 0 vpdpbusd (64 int8 multiply-adds each),
-   1 vfmadd231ps (16 float32), 2 vdpbf16ps (32 bfloat16). Returns instructions issued (the caller times it);
-   -1 when this CPU lacks the instruction. */
+   1 vfmadd231ps (16 float32), 2 vdpbf16ps (32 bfloat16); 256-bit: 3 vpmaddubsw (32 int8 multiply-adds, the AVX2
+   path's), 4 vfmadd231ps (8 float32). Returns instructions issued (the caller times it); -1 when this CPU lacks
+   the instruction. */
+static int64_t peak_issue_avx2(int kind, int64_t rounds);
+
 int64_t kvs_peak_issue(int kind, int64_t rounds) {
+    if (kind >= 3) return peak_issue_avx2(kind, rounds);
     if (!__builtin_cpu_supports("avx512f") || (kind == 0 && !__builtin_cpu_supports("avx512vnni")) ||
         (kind == 2 && !__builtin_cpu_supports("avx512bf16")))
         return -1;
@@ -366,6 +319,26 @@ int64_t kvs_peak_issue(int kind, int64_t rounds) {
             __asm__ volatile(PEAK12("vfmadd231ps")::: PEAK_CLOBBER);
         else
             __asm__ volatile(PEAK12("vdpbf16ps")::: PEAK_CLOBBER);
+    }
+    return 12 * rounds;
+}
+#pragma GCC pop_options
+
+#define PEAK12Y(op)                                                                                             \
+    op " %%ymm0, %%ymm1, %%ymm2\n\t" op " %%ymm0, %%ymm1, %%ymm3\n\t" op " %%ymm0, %%ymm1, %%ymm4\n\t"          \
+    op " %%ymm0, %%ymm1, %%ymm5\n\t" op " %%ymm0, %%ymm1, %%ymm6\n\t" op " %%ymm0, %%ymm1, %%ymm7\n\t"          \
+    op " %%ymm0, %%ymm1, %%ymm8\n\t" op " %%ymm0, %%ymm1, %%ymm9\n\t" op " %%ymm0, %%ymm1, %%ymm10\n\t"         \
+    op " %%ymm0, %%ymm1, %%ymm11\n\t" op " %%ymm0, %%ymm1, %%ymm12\n\t" op " %%ymm0, %%ymm1, %%ymm13\n\t"
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+static int64_t peak_issue_avx2(int kind, int64_t rounds) {
+    if (kind > 4) return -1;
+    __asm__ volatile("vpxor %%ymm0, %%ymm0, %%ymm0\n\tvpxor %%ymm1, %%ymm1, %%ymm1" ::: "xmm0", "xmm1");
+    for (int64_t k = 0; k < rounds; k++) {
+        if (kind == 3) /* independent: each writes its own register (vpmaddubsw does not accumulate) */
+            __asm__ volatile(PEAK12Y("vpmaddubsw")::: PEAK_CLOBBER);
+        else
+            __asm__ volatile(PEAK12Y("vfmadd231ps")::: PEAK_CLOBBER);
     }
     return 12 * rounds;
 }

@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from kvseal.kernels import ops
-from kvseal.kernels.ops import PackedWeight, QWeight, concat_rows, packed_linear, qlinear, quantize_q8_0
+from kvseal.kernels.ops import FusedRows, PackedWeight, QWeight, fuse_rows, packed_linear, qlinear
 from kvseal.model.attention import AttentionMeta, paged_attention
 from kvseal.model.checkpoint import Checkpoint, ModelArch
 from kvseal.model.rope import apply_rope, cos_sin_table
 
-# a dense (N, K) tensor, GGUF blocks for the exact native kernels, or blocks repacked for the fast arithmetic
-Weight = torch.Tensor | PackedWeight | QWeight
+# a dense (N, K) tensor, GGUF blocks for the exact native kernels (FusedRows: several side by side, each in its own
+# type), or blocks repacked for the fast arithmetic
+Weight = torch.Tensor | PackedWeight | FusedRows | QWeight
 
 
 class _Weights:
@@ -32,21 +33,19 @@ class _Weights:
         return self.ckpt.weights[name].to(device=self.device, dtype=self.dtype)
 
     def get(self, *names: str) -> Weight:
-        """One weight, or several fused along their rows (output features)."""
+        """One weight, or several fused along their rows (output features), in whatever types the file has."""
+        if self.fast:  # every matrix as blocks: the file's own, float weights as they are (F32/F16/BF16)
+            return QWeight.pack(*(self.ckpt.packed[n] if n in self.ckpt.packed else PackedWeight.of_dense(self.dense(n))
+                                  for n in names))
         if self.native and all(n in self.ckpt.packed for n in names):
-            parts = [self.ckpt.packed[n] for n in names]
-            if len({(p.qtype, p.k) for p in parts}) == 1:
-                packed = parts[0] if len(parts) == 1 else concat_rows(parts)
-                return QWeight.pack(packed) if self.fast else packed
-        dense = self.dense(names[0]) if len(names) == 1 else torch.cat([self.dense(n) for n in names])
-        # the fast arithmetic multiplies blocks only: a float weight becomes Q8_0 blocks once, here
-        return QWeight.pack(quantize_q8_0(dense)) if self.fast else dense
+            return fuse_rows([self.ckpt.packed[n] for n in names])
+        return self.dense(names[0]) if len(names) == 1 else torch.cat([self.dense(n) for n in names])
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(w, QWeight):
         return qlinear(x, w, bias)
-    if isinstance(w, PackedWeight):
+    if isinstance(w, PackedWeight | FusedRows):
         return packed_linear(x, w, bias)
     return F.linear(x, w, bias)
 
@@ -97,9 +96,12 @@ class LlamaModel:
         self.scale = arch.head_dim**-0.5
         # Decode-only steps run every layer in one C call when all four matrices of every layer are packed.
         self._c_layers = None
-        packed = [(ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, ly.bqkv, ly.ln1, ly.ln2) for ly in self.layers
-                  if isinstance(ly.wqkv, PackedWeight) and isinstance(ly.wo, PackedWeight)
-                  and isinstance(ly.w_gate_up, PackedWeight) and isinstance(ly.w_down, PackedWeight)]
+        packed = []
+        for ly in self.layers:
+            q, o, gu, down = ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down
+            if (isinstance(q, PackedWeight | FusedRows) and isinstance(o, PackedWeight | FusedRows)
+                    and isinstance(gu, PackedWeight | FusedRows) and isinstance(down, PackedWeight | FusedRows)):
+                packed.append((q, o, gu, down, ly.bqkv, ly.ln1, ly.ln2))
         if native and len(packed) == len(self.layers):
             self._c_layers = ops.layer_table(packed)
         # The fast arithmetic runs every step's layers in one C call (forward.c); None: op by op (tests compare).

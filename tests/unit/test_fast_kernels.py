@@ -1,7 +1,9 @@
 """The fast arithmetic's kernels (qgemm.c, attention.c, forward.c) against their definitions.
 
-- kvs_qlinear: a float64 evaluation of the definition (int8 rows per 32 inputs, exact integer dot products,
-  block scales), a bound against the float product, the same bits for a row in any batch, and the same bits on
+- kvs_qlinear (every block type: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K; F32, F16, BF16 as they are): a float64
+  evaluation of the definition (int8 rows per 32 inputs, exact integer dot products with the weights' own
+  integer values, block scales), a bound against the float product, blocks at their integer extremes, row
+  segments of mixed types equal to each segment alone, the same bits for a row in any batch, and the same bits on
   every instruction set the CPU has (each run in its own process, since the choice is made once per process).
 - kvs_paged_attention: a float64 softmax over keys gathered from the span's own pages, with every other page
   and every key past a row's position poisoned with NaN; the same bits however a prompt is chunked or batched;
@@ -24,9 +26,16 @@ import torch
 
 from kvseal.kernels import ops
 from kvseal.kernels.arithmetic import fast_blockers, resolve_arithmetic
-from kvseal.kernels.ops import Q4_0, Q4_1, Q8_0, QWeight, qlinear, quantize_q8_0
+from kvseal.kernels.ops import F32, FLOAT_TYPES, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, TYPE_NAMES, QWeight, qlinear
 from kvseal.model.checkpoint import ModelArch
-from tests.unit.test_kernels import random_blocks, reference_dequant
+from tests.unit.test_kernels import (
+    ALL_TYPES,
+    QUANT_TYPES,
+    extreme_blocks,
+    random_blocks,
+    reference_dequant,
+    step,
+)
 
 
 def _quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,17 +51,20 @@ def _quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def qlinear_reference(x: torch.Tensor, w: ops.PackedWeight) -> torch.Tensor:
-    q, d = _quantize_reference(x)
     wd = reference_dequant(w).double()  # (N, K), exact in float64
+    if w.qtype in FLOAT_TYPES:  # float weights are multiplied as they are
+        return x.double() @ wd.T
+    q, d = _quantize_reference(x)
     m, k = x.shape
     parts = torch.einsum("mbk,nbk->mnb", q.view(m, k // 32, 32), wd.view(w.n, k // 32, 32))
     return (parts * d[:, None, :]).sum(-1)
 
 
-@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0])
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=TYPE_NAMES.get)
 @pytest.mark.parametrize("m", [1, 3, 4, 8, 9, 33])
-@pytest.mark.parametrize(("n", "k"), [(1, 32), (50, 96), (64, 576)])
-def test_qlinear_equals_its_definition(qtype: int, m: int, n: int, k: int) -> None:
+@pytest.mark.parametrize(("n", "blocks"), [(1, 1), (50, 3), (64, 6)])
+def test_qlinear_equals_its_definition(qtype: int, m: int, n: int, blocks: int) -> None:
+    k = blocks * step(qtype)
     w = random_blocks(qtype, n, k, seed=qtype * 7 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * 31 + k))
     x[0, :32] = 0.0  # an all-zero block: scale 0, nothing added
@@ -62,13 +74,49 @@ def test_qlinear_equals_its_definition(qtype: int, m: int, n: int, k: int) -> No
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()) + 1e-12)
 
 
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=TYPE_NAMES.get)
+def test_qlinear_on_blocks_at_their_integer_extremes(qtype: int) -> None:
+    """All weights at their largest integer value against inputs of one sign: every int16 partial sum of the AVX2
+    path at its bound (4-bit: 8 products, 5-bit: 4, 6-bit: 2, 8-bit: 1 before a flush)."""
+    w = extreme_blocks(qtype, 24, 2 * step(qtype))
+    for m, sign in ((1, 1.0), (5, -1.0)):
+        x = torch.full((m, w.k), sign)
+        ref = qlinear_reference(x, w)
+        torch.testing.assert_close(qlinear(x, QWeight.pack(w)).double(), ref, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0, Q5_0, Q4_K, Q6_K], ids=TYPE_NAMES.get)
 def test_qlinear_is_within_a_percent_of_the_float_product(qtype: int) -> None:
-    w = random_blocks(qtype, 96, 576, seed=5)
-    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(6))
+    w = random_blocks(qtype, 96, 768, seed=5)
+    x = torch.randn(16, 768, generator=torch.Generator().manual_seed(6))
     exact = x.double() @ reference_dequant(w).double().T
     got = qlinear(x, QWeight.pack(w)).double()
     assert float((got - exact).norm() / exact.norm()) < 0.01
+
+
+def test_float_weights_are_multiplied_as_they_are() -> None:
+    """No re-quantization: a float32 weight is used in place (same memory) and the product is float32's."""
+    dense = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))
+    qw = QWeight.pack(ops.PackedWeight.of_dense(dense))
+    assert qw.qtypes == (F32,) and qw.datas[0].data_ptr() == dense.data_ptr()
+    x = torch.randn(7, 96)
+    torch.testing.assert_close(qlinear(x, qw), x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_type_segments_run_fused_and_equal_each_segment_alone() -> None:
+    """q|k|v as Q4_K|Q4_K|Q6_K and gate|up with a float part: one call, each column bit for bit its own segment's
+    product (the segments share one quantization of x, which is the same for every type)."""
+    k = 512
+    parts = [random_blocks(Q4_K, 48, k, 1), random_blocks(Q4_K, 16, k, 2), random_blocks(Q6_K, 16, k, 3),
+             random_blocks(F32, 8, k, 4)]
+    fused = QWeight.pack(*parts)
+    assert fused.qtypes == (Q4_K, Q4_K, Q6_K, F32) and fused.n == 88
+    for m in (1, 6, 37):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        want = torch.cat([qlinear(x, QWeight.pack(p)) for p in parts], dim=1)
+        assert torch.equal(qlinear(x, fused), want)
+    with pytest.raises(ValueError, match="one input size"):
+        QWeight.pack(parts[0], random_blocks(Q5_0, 4, 256, 0))
 
 
 def test_qlinear_bias_and_empty_batch() -> None:
@@ -80,28 +128,16 @@ def test_qlinear_bias_and_empty_batch() -> None:
         qlinear(x.double(), qw)
 
 
-@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0])
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=TYPE_NAMES.get)
 def test_qlinear_row_gets_the_same_bits_in_any_batch(qtype: int) -> None:
-    w = QWeight.pack(random_blocks(qtype, 70, 192, seed=3))
-    x = torch.randn(37, 192, generator=torch.Generator().manual_seed(4))
+    k = 3 * step(qtype) if step(qtype) > 32 else 192
+    w = QWeight.pack(random_blocks(qtype, 70, k, seed=3))
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(4))
     full = qlinear(x, w)
     for lo, hi in [(0, 1), (5, 6), (3, 11), (8, 37), (0, 36)]:
         assert torch.equal(qlinear(x[lo:hi], w), full[lo:hi])
     perm = torch.randperm(37, generator=torch.Generator().manual_seed(0))
     assert torch.equal(qlinear(x[perm], w), full[perm])
-
-
-def test_quantize_q8_0_blocks_round_trip_within_half_a_step() -> None:
-    dense = torch.randn(24, 96, generator=torch.Generator().manual_seed(2))
-    dense[3] = 0.0
-    pw = quantize_q8_0(dense)
-    assert pw.qtype == Q8_0 and pw.data.shape == (24, 3 * 34)
-    step = dense.reshape(24, 3, 32).abs().amax(-1, keepdim=True) / 127
-    err = (pw.dequantize().reshape(24, 3, 32) - dense.reshape(24, 3, 32)).abs()
-    assert bool((err <= step * 0.5 + step * 2e-3 + 1e-7).all())  # half a step, plus the fp16 rounding of d
-    assert bool((pw.dequantize()[3] == 0).all())
-    with pytest.raises(ValueError, match="multiple of 32"):
-        quantize_q8_0(torch.randn(2, 40))
 
 
 _ISA_SCRIPT = """
@@ -110,9 +146,10 @@ from kvseal.kernels import ops
 from tests.unit.test_kernels import random_blocks
 from tests.unit.test_fast_kernels import attention_case
 out = {"isa": ops.qisa()}
-for qtype in (2, 3, 8):
-    w = ops.QWeight.pack(random_blocks(qtype, 50, 192, seed=qtype))
-    x = torch.randn(11, 192, generator=torch.Generator().manual_seed(qtype))
+for qtype in (0, 1, 30, 2, 3, 6, 8, 12, 13, 14):
+    k = 512 if qtype >= 12 else 192
+    w = ops.QWeight.pack(random_blocks(qtype, 50, k, seed=qtype))
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(qtype))
     out[str(qtype)] = ops.qlinear(x, w).numpy().tobytes().hex()
 out["attn"] = attention_case()[0].numpy().tobytes().hex()
 print(json.dumps(out))
@@ -256,7 +293,10 @@ def test_qpack_refuses_what_it_cannot_pack() -> None:
     object.__setattr__(bad, "qtype", 99)
     with pytest.raises(ValueError, match="cannot repack"):
         QWeight.pack(bad)
-    assert np.array_equal(QWeight.pack(random_blocks(Q4_1, 16, 32, 0)).data.numpy().shape, [16 * 20])
+    assert np.array_equal(QWeight.pack(random_blocks(Q4_1, 16, 32, 0)).datas[0].numpy().shape, [16 * 20])
+    # K-quants pack whole super-blocks: 16 columns x 256 inputs in 2368 (Q4_K) / 3360 (Q6_K) bytes
+    assert QWeight.pack(random_blocks(Q4_K, 17, 512, 0)).nbytes == 2 * 2 * 2368
+    assert QWeight.pack(random_blocks(Q6_K, 16, 256, 0)).nbytes == 3360
 
 
 def test_an_engine_thread_takes_torchs_thread_count() -> None:

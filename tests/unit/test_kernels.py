@@ -1,6 +1,11 @@
-"""kvseal's native kernels against references: GGUF dequantization against gguf-py's, the packed GEMM
-against a float64 product of the dequantized weight, and paged decode attention against a softmax over the
-keys gathered from each sequence's own pages (with every other page poisoned, so a stray read shows)."""
+"""kvseal's native kernels against references: GGUF dequantization of every block type against gguf-py's (bit for
+bit), the packed GEMM against a float64 product of the dequantized weight (one type, and row segments of mixed
+types), and paged decode attention against a softmax over the keys gathered from each sequence's own pages (with
+every other page poisoned, so a stray read shows).
+
+Blocks are random bytes with normal fp16 scales (a block is fully defined by its bytes, so every bit pattern is
+a valid block, including the extremes the integer kernels must not overflow on), or gguf-py's own quantization
+where gguf-py has one (Q4_0, Q4_1, Q5_0, Q8_0, F16, BF16)."""
 
 from __future__ import annotations
 
@@ -13,29 +18,64 @@ import torch
 
 from kvseal.kernels import build
 from kvseal.kernels.ops import (
-    BLOCK_BYTES,
+    BF16,
+    BLOCKS,
     DENSE_FROM_ROWS,
+    F16,
+    F32,
+    FLOAT_TYPES,
     Q4_0,
     Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_K,
+    Q6_K,
     Q8_0,
+    TYPE_NAMES,
+    FusedRows,
     PackedWeight,
-    concat_rows,
     packed_linear,
     paged_decode_attention,
 )
 from kvseal.kv.allocator import pages_for
 from kvseal.model.checkpoint import ModelArch
 
+ALL_TYPES = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K]
+QUANT_TYPES = [t for t in ALL_TYPES if t not in FLOAT_TYPES]
+K_QUANTS = [Q4_K, Q5_K, Q6_K]
+_FP16_AT = {Q4_0: [0], Q4_1: [0, 2], Q5_0: [0], Q8_0: [0], Q4_K: [0, 2], Q5_K: [0, 2], Q6_K: [208]}
+_TORCH = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+
+
+def step(qtype: int) -> int:
+    """The input sizes a type takes are multiples of this."""
+    return max(32, BLOCKS[qtype][0])
+
 
 def random_blocks(qtype: int, n: int, k: int, seed: int) -> PackedWeight:
-    """n rows of k / 32 blocks with random scales (normal fp16 values) and random quants."""
+    """n rows of k inputs: random bytes with random normal fp16 scales (quantized types), or random normal floats."""
     rng = np.random.default_rng(seed)
-    nb = n * (k // 32)
-    raw = rng.integers(0, 256, size=(nb, BLOCK_BYTES[qtype]), dtype=np.uint8)
-    heads = 2 if qtype == Q4_1 else 1  # fp16 d (and m for Q4_1) at the start of each block
-    scales = (rng.standard_normal((nb, heads)) * 0.05).astype(np.float16)
-    raw[:, : 2 * heads] = scales.view(np.uint8).reshape(nb, 2 * heads)
+    if qtype in FLOAT_TYPES:
+        return PackedWeight.of_dense(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)).to(_TORCH[qtype]))
+    elems, size = BLOCKS[qtype]
+    nb = n * (k // elems)
+    raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
+    for off in _FP16_AT[qtype]:
+        raw[:, off : off + 2] = (rng.standard_normal((nb, 1)) * 0.05).astype(np.float16).view(np.uint8)
     return PackedWeight(qtype, n, k, torch.from_numpy(raw.reshape(n, -1).copy()))
+
+
+def extreme_blocks(qtype: int, n: int, k: int) -> PackedWeight:
+    """Every weight at its largest integer value (all bits set, Q8_0: -128), scales 1: the integer sums at their
+    bounds (an int16 accumulator flushed too late would overflow here)."""
+    w = random_blocks(qtype, n, k, seed=0)
+    raw = w.data.numpy().reshape(n * (k // BLOCKS[qtype][0]), -1)
+    raw[:] = 0x80 if qtype == Q8_0 else 0xFF
+    if qtype == Q6_K:
+        raw[:, 192:208] = 0x7F  # int8 sub-block scales: 127
+    for off in _FP16_AT[qtype]:
+        raw[:, off : off + 2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    return w
 
 
 def reference_dequant(w: PackedWeight) -> torch.Tensor:
@@ -43,17 +83,29 @@ def reference_dequant(w: PackedWeight) -> torch.Tensor:
     return torch.from_numpy(np.asarray(deq, dtype=np.float32).reshape(w.n, w.k))
 
 
-@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0])
-def test_dequantize_equals_gguf_reference(qtype: int) -> None:
-    w = random_blocks(qtype, 37, 96, seed=qtype)
-    # d * q + m in one fused multiply-add versus gguf-py's two roundings: at most an ulp apart
-    torch.testing.assert_close(w.dequantize(), reference_dequant(w), rtol=2e-7, atol=1e-9)
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=TYPE_NAMES.get)
+def test_dequantize_equals_gguf_reference_bit_for_bit(qtype: int) -> None:
+    """The same float32 operations in the same order as gguf-py (and so transformers' GGUF loader)."""
+    w = random_blocks(qtype, 37, 3 * step(qtype), seed=qtype)
+    assert torch.equal(w.dequantize(), reference_dequant(w))
+    ids = torch.tensor([36, 0, 5, 5])
+    assert torch.equal(w.rows(ids), reference_dequant(w)[ids])
 
 
-@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0])
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q5_0, Q8_0, F16, BF16], ids=TYPE_NAMES.get)
+def test_dequantize_blocks_that_gguf_py_quantized(qtype: int) -> None:
+    dense = np.random.default_rng(1).standard_normal((12, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(dense, gguf.GGMLQuantizationType(qtype))
+    w = PackedWeight(qtype, 12, 128, torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(12, -1)))
+    assert torch.equal(w.dequantize(), reference_dequant(w))
+    assert float((w.dequantize() - torch.from_numpy(dense)).abs().max()) < 0.5  # and it is the matrix quantized
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=TYPE_NAMES.get)
 @pytest.mark.parametrize("m", [1, 2, 3, 7, 32, DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS + 5])
-@pytest.mark.parametrize(("n", "k"), [(1, 32), (17, 96), (50, 576)])
-def test_packed_linear_equals_dense_product(qtype: int, m: int, n: int, k: int) -> None:
+@pytest.mark.parametrize(("n", "blocks"), [(1, 1), (17, 3), (50, 6)])
+def test_packed_linear_equals_dense_product(qtype: int, m: int, n: int, blocks: int) -> None:
+    k = blocks * step(qtype)
     w = random_blocks(qtype, n, k, seed=m * 100 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
@@ -63,6 +115,23 @@ def test_packed_linear_equals_dense_product(qtype: int, m: int, n: int, k: int) 
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=TYPE_NAMES.get)
+def test_packed_linear_on_extreme_blocks(qtype: int) -> None:
+    w = extreme_blocks(qtype, 20, 2 * step(qtype))
+    for sign in (1.0, -1.0):
+        x = torch.full((3, w.k), sign)
+        ref = x.double() @ reference_dequant(w).double().T
+        torch.testing.assert_close(packed_linear(x, w).double(), ref, rtol=1e-6, atol=0)
+
+
+def test_k_quants_refuse_input_sizes_that_are_not_whole_super_blocks() -> None:
+    for qtype in K_QUANTS:
+        with pytest.raises(ValueError, match=f"{TYPE_NAMES[qtype]} weight needs an input size that is a multiple of 256, got 288"):
+            PackedWeight(qtype, 4, 288, torch.zeros(4, 144, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 32, got 40"):
+        PackedWeight(Q8_0, 4, 40, torch.zeros(4, 34, dtype=torch.uint8))
+
+
 def test_no_rows_cost_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill chunk that ends no prompt asks the lm_head for 0 rows: no dequantized copy is made for it."""
     w = random_blocks(Q8_0, 40, 64, seed=9)
@@ -70,35 +139,46 @@ def test_no_rows_cost_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert packed_linear(torch.empty(0, 64), w).shape == (0, 40)
 
 
-def test_a_row_gets_the_same_bits_in_any_batch() -> None:
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=TYPE_NAMES.get)
+def test_a_row_gets_the_same_bits_in_any_batch(qtype: int) -> None:
     """Each output is one thread's fixed-order sum: a request's logits do not depend on who shares its batch
     (up to the dense hand-over at DENSE_FROM_ROWS rows), so unified and disaggregated runs agree exactly."""
-    w = random_blocks(Q4_1, 40, 576, seed=5)
-    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(1))
+    k = 2 * step(qtype) if step(qtype) > 32 else 576
+    w = random_blocks(qtype, 40, k, seed=5)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(1))
     full = packed_linear(x, w)
     for i in range(9):
         assert torch.equal(packed_linear(x[i : i + 1], w)[0], full[i])
     assert torch.equal(packed_linear(x[3:8], w), full[3:8])
 
 
-def test_rows_and_concat() -> None:
-    a, b = random_blocks(Q8_0, 11, 64, seed=1), random_blocks(Q8_0, 5, 64, seed=2)
-    ids = torch.tensor([10, 0, 3, 3])
-    torch.testing.assert_close(a.rows(ids), reference_dequant(a)[ids], rtol=2e-7, atol=0)
-    fused = concat_rows([a, b])
-    assert (fused.n, fused.k) == (16, 64)
-    torch.testing.assert_close(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]), rtol=0, atol=0)
+def test_fused_rows_of_mixed_types_equal_their_parts_side_by_side() -> None:
+    """q|k Q4_K, v Q6_K (a Q4_K_M layer): one matrix, no copy of any part, each part's columns its own product."""
+    k = 512
+    parts = [random_blocks(Q4_K, 48, k, 1), random_blocks(Q4_K, 16, k, 2), random_blocks(Q6_K, 16, k, 3),
+             random_blocks(Q8_0, 5, k, 4)]
+    fused = FusedRows(tuple(parts))
+    assert (fused.n, fused.k) == (85, k)
+    assert all(p.data.data_ptr() == q.data.data_ptr() for p, q in zip(fused.parts, parts, strict=True))
+    torch.testing.assert_close(fused.dequantize(), torch.cat([reference_dequant(p) for p in parts]), rtol=0, atol=0)
+    for m in (1, 5, DENSE_FROM_ROWS):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        got = packed_linear(x, fused)
+        want = torch.cat([packed_linear(x, p) for p in parts], dim=1)
+        assert torch.equal(got, want) if m < DENSE_FROM_ROWS else torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="one input size"):
+        FusedRows((parts[0], random_blocks(Q8_0, 5, 256, 5)))
     with pytest.raises(RuntimeError, match="dequant_rows"):
-        a.rows(torch.tensor([11]))  # one past the end: refused, never read
-    with pytest.raises(ValueError, match="one type"):
-        concat_rows([a, random_blocks(Q4_1, 5, 64, seed=3)])
+        parts[3].rows(torch.tensor([5]))  # one past the end: refused, never read
 
 
 def test_packed_weight_validates_its_shape() -> None:
     with pytest.raises(ValueError, match="shape"):
         PackedWeight(Q4_1, 4, 64, torch.zeros(4, 39, dtype=torch.uint8))
     with pytest.raises(ValueError, match="no native kernel"):
-        PackedWeight(12, 4, 256, torch.zeros(4, 144, dtype=torch.uint8))
+        PackedWeight(10, 4, 256, torch.zeros(4, 84, dtype=torch.uint8))  # Q2_K
+    with pytest.raises(ValueError, match="float32/float16/bfloat16"):
+        PackedWeight.of_dense(torch.zeros(4, 32, dtype=torch.float64))
 
 
 def _attention_case(seed: int, b: int = 6, h: int = 6, kvh: int = 2, d: int = 16, s: int = 4, p: int = 64):
