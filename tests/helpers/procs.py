@@ -13,6 +13,8 @@ from typing import IO
 
 import httpx
 
+from kvseal.launch import LAUNCHER_PID_ENV
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -25,7 +27,8 @@ class Proc:
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.log: IO[bytes] = tempfile.NamedTemporaryFile(prefix="kvseal-", suffix=".log", delete=False)  # noqa: SIM115
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # a worker stops when the test process is gone (a killed or timed-out test leaves no worker spinning)
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_PID_ENV: str(os.getpid()), **(env or {})}
         self.p = subprocess.Popen([sys.executable, "-m", "kvseal", *args], stdout=self.log,
                                   stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
 
