@@ -19,6 +19,7 @@ import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from kvseal.model.gguf_file import GGUFFile
 from kvseal.model.tokenizer import Tokenizer
 
 _CONTROL = int(gguf.TokenType.CONTROL)
@@ -41,12 +42,9 @@ _PRE_SPLITS: dict[str, str] = {
 }
 
 
-def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def gguf_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """A metadata value as a Python object (str, int, float, bool or list), or `default` when absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+    return reader.field(key, default)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -74,7 +72,7 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _token_id(reader: gguf.GGUFReader, key: str, n_tokens: int) -> int | None:
+def _token_id(reader: GGUFFile, key: str, n_tokens: int) -> int | None:
     tid = gguf_field(reader, key)
     if tid is None:
         return None
@@ -83,7 +81,7 @@ def _token_id(reader: gguf.GGUFReader, key: str, n_tokens: int) -> int | None:
     return int(tid)
 
 
-def tokenizer_from_gguf_reader(reader: gguf.GGUFReader) -> Tokenizer:
+def tokenizer_from_gguf_reader(reader: GGUFFile) -> Tokenizer:
     model = gguf_field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(
