@@ -180,7 +180,7 @@ class ManagedServer:
                     return time.monotonic() - t0
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.1)
         raise TimeoutError(f"{self.url}{self.ready_path} not ready after {timeout:.0f}s:\n{self.output()[-3000:]}")
 
     def stop(self, timeout: float = 30.0) -> int | None:

@@ -36,7 +36,7 @@ from kvseal.model.file_index import file_lock
 
 FORMAT_VERSION = 1
 _MAGIC = b"KVSWCACH"
-_FOOTER = struct.Struct("<8sIQQ32s12x")  # 64 bytes
+_FOOTER = struct.Struct("<8sIQQ32s4x")  # 64 bytes
 _ALIGN = 64
 _DTYPES = {str(d): d for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
                                 torch.bfloat16, torch.float32, torch.float64)}
