@@ -3,7 +3,23 @@ mapping is resident (Rss) and this process's share of it (Pss, pages shared by n
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import Any
+
+import torch
+
+
+def weight_tensors(w: Any) -> list[torch.Tensor]:
+    """Every tensor inside a model weight, whatever its form: a tensor, GGUF blocks, repacked blocks, parts of
+    several (dataclasses and tuples, walked)."""
+    if isinstance(w, torch.Tensor):
+        return [w]
+    if isinstance(w, (tuple, list)):
+        return [t for x in w for t in weight_tensors(x)]
+    if dataclasses.is_dataclass(w) and not isinstance(w, type):
+        return [t for f in dataclasses.fields(w) for t in weight_tensors(getattr(w, f.name))]
+    return []
 
 
 def mapped_file(address: int, pid: int | str = "self") -> str | None:

@@ -21,14 +21,14 @@ import json, sys, torch
 from kvseal.model.gguf import load_gguf
 from kvseal.model.llama import LlamaModel
 from kvseal.model.loader import default_model_path
-from kvseal.model.weights import Parts
+from tests.helpers.memory import weight_tensors
 
 m = LlamaModel(load_gguf(default_model_path(), progress=False), torch.float32, torch.device("cpu"), native=True,
                fast=True)
 touched = 0
 for w in [m.lm_head] + [x for ly in m.layers for x in (ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down)]:
-    for p in (w.parts if isinstance(w, Parts) else (w,)):
-        touched += int(p.data.view(-1)[::4096].sum())  # a byte of every page, as a forward pass reads them all
+    for t in weight_tensors(w):
+        touched += int(t.reshape(-1).view(torch.uint8)[::4096].sum())  # a byte of every page, as a forward reads
 print(json.dumps({"cache": str(m.weights_cache), "built": m.weights_cache_built}), flush=True)
 sys.stdin.read()  # hold the pages until the parent has looked
 """

@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from kvseal.kernels import ops
-from kvseal.kernels.ops import PackedWeight, QWeight
+from kvseal.kernels.ops import QWeight
 from kvseal.model import file_index
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.gguf import load_gguf
 from kvseal.model.llama import LlamaModel
+from kvseal.model.quant import QuantTensor
 from kvseal.model.weight_cache import _FOOTER
-from kvseal.model.weights import ModelWeights, Parts
-from tests.helpers.memory import mapped_file
+from kvseal.model.weights import Dequantized, ModelWeights
+from tests.helpers.memory import mapped_file, weight_tensors
 from tests.helpers.tiny_gguf import write_tiny_gguf
 from tests.helpers.tiny_models import make_tiny_llama
 
@@ -51,17 +52,15 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _matrices(m: LlamaModel) -> list[object]:
-    out: list[object] = [m.lm_head]
-    for ly in m.layers:
-        out += [ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down]
-    flat: list[object] = []
-    for w in out:
-        flat += list(w.parts) if isinstance(w, Parts) else [w]
-    return flat
+    return [m.lm_head, *(w for ly in m.layers for w in (ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down))]
 
 
 def _bytes(m: LlamaModel) -> list[torch.Tensor]:
-    return [w.data.clone() for w in _matrices(m)]  # type: ignore[attr-defined]
+    return [t.clone() for w in _matrices(m) for t in weight_tensors(w)]
+
+
+def _files(w: object) -> set[str | None]:
+    return {mapped_file(t.data_ptr()) for t in weight_tensors(w) if t.numel()}
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -79,21 +78,19 @@ def test_cache_is_built_once_then_mapped(tmp_path: Path, cache_dir: Path, fast: 
         raise AssertionError("a weight was derived again instead of mapped")
 
     monkeypatch.setattr(QWeight, "pack", fail)
-    monkeypatch.setattr(ModelWeights, "_blocks", fail)
+    monkeypatch.setattr(QuantTensor, "blocks_in_order", fail)  # what a derived exact weight is made from
     second = LlamaModel(ck, torch.float32, CPU, native=True, fast=fast)
     after = path.stat()
     assert second.weights_cache == first.weights_cache and (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     assert all(torch.equal(a, b) for a, b in zip(built, _bytes(second), strict=True))
     gguf_file = os.path.realpath(ck.source)
-    kinds = {QWeight} if fast else {PackedWeight}
     for w in _matrices(second):
-        assert type(w) in kinds
+        assert type(w).__name__ in ({"QWeight"} if fast else {"PackedWeight", "FusedRows"}), type(w)
         # every matrix lies in a file: the cache, or (exact, used as stored) the GGUF itself
-        where = mapped_file(w.data.data_ptr())  # type: ignore[attr-defined]
-        assert where in ({str(path)} if fast else {str(path), gguf_file}), where
-    if not fast:  # llama q/k rows put back in order: q|k|v derived, cached; o used where it lies
-        assert mapped_file(second.layers[0].wqkv.data.data_ptr()) == str(path)  # type: ignore[union-attr]
-        assert mapped_file(second.layers[0].wo.data.data_ptr()) == gguf_file  # type: ignore[union-attr]
+        assert _files(w) <= ({str(path)} if fast else {str(path), gguf_file}), _files(w)
+    if not fast:  # llama q/k rows put back in order once, into the cache; o used where it lies
+        assert str(path) in _files(second.layers[0].wqkv)
+        assert _files(second.layers[0].wo) == {gguf_file}
 
 
 @pytest.mark.parametrize("damage", ["truncated", "header", "footer", "empty", "other-key"])
@@ -105,8 +102,11 @@ def test_corrupt_cache_is_rebuilt(tmp_path: Path, cache_dir: Path, damage: str,
     raw = bytearray(path.read_bytes())
     if damage == "truncated":
         raw = raw[: len(raw) // 2]
-    elif damage == "header":
-        raw[-100] ^= 1  # inside the JSON header: its checksum no longer matches
+    elif damage == "header":  # valid JSON, the right key, a blob offset moved by a few bytes: only the checksum
+        h_off = _FOOTER.unpack_from(raw, len(raw) - _FOOTER.size)[2]  # tells (a reader without it maps them)
+        i = raw.index(b'"tensor": [', h_off) + len(b'"tensor": [')
+        j = raw.index(b",", i) - 1
+        raw[j] = ord("3") if raw[j] != ord("3") else ord("5")
     elif damage == "footer":
         raw[-64:-56] = b"XXXXXXXX"
     elif damage == "empty":
@@ -166,9 +166,8 @@ def test_a_block_type_without_kernel_is_dequantized_per_call(tmp_path: Path, cac
         auto = LLM(checkpoint=ck, arithmetic="auto", page_size=16, pool_tokens=512)
     assert auto.engine.arithmetic.name == "exact/native" and "take no Q5_1 blocks" in auto.engine.arithmetic.why
     assert "dequantized at every step" in caplog.text
-    qkv = auto.engine.model.layers[0].wqkv
-    assert isinstance(qkv, Parts) and [type(p).__name__ for p in qkv.parts] == ["PackedWeight", "PackedWeight",
-                                                                                  "Dequantized"]
+    qkv = auto.engine.model.layers[0].wqkv  # v's blocks (alone, or with q and k) are dequantized at each call
+    assert any(isinstance(w, Dequantized) for w in (qkv, *getattr(qkv, "parts", ())))
     ref = LLM(checkpoint=ck, kernels="torch", arithmetic="exact", page_size=16, pool_tokens=512)
     got = [o.outputs[0].token_ids for o in auto.generate(prompts, params)]
     assert got == [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
@@ -190,3 +189,31 @@ def test_reference_path_chunks_equal_one_product(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(weights, "SCRATCH_BYTES", 64 * 4 * 24)  # 24 rows at a time: chunks cross the parts
     chunked = gate_up.linear(x, None)  # type: ignore[union-attr]
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("kernels", "arithmetic"), [("torch", "exact"), ("native", "exact"), ("native", "fast")])
+def test_no_float_copy_of_a_quantized_weight_in_any_path(kernels: str, arithmetic: str, cache_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bundled Q4_1 model in each arithmetic: the only float tensors the model holds are vectors (norms), and
+    neither building it nor running it makes a float copy of a whole quantized matrix."""
+    from kvseal import LLM, SamplingParams
+    from kvseal.model import weights
+    from tests.helpers.bundled import bundled_checkpoint
+
+    def whole_copy(*_: object, **__: object) -> None:
+        raise AssertionError("a whole quantized matrix was dequantized")
+
+    monkeypatch.setattr(QuantTensor, "dequantize", whole_copy)
+    llm = LLM(checkpoint=bundled_checkpoint(), kernels=kernels, arithmetic=arithmetic, pool_tokens=1024)
+    m = llm.engine.model
+    assert llm.engine.arithmetic.name == (f"exact/{kernels}" if arithmetic == "exact" else "fast/int8")
+    held = [m.embed, m.lm_head, m.norm, *(w for ly in m.layers for w in (ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down,
+                                                                        ly.ln1, ly.ln2))]
+    floats = [t for w in held for t in weight_tensors(w) if t.is_floating_point()]
+    assert floats and all(t.dim() == 1 for t in floats)
+    out = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+    if kernels == "torch":  # the reference path's one scratch buffer, reused by every matrix
+        scratch = m.layers[0].wqkv.scratch  # type: ignore[union-attr]
+        assert all(w.scratch is scratch for w in (m.lm_head, m.layers[-1].w_down))  # type: ignore[union-attr]
+        assert 0 < scratch.take(0).untyped_storage().nbytes() <= weights.SCRATCH_BYTES
