@@ -60,7 +60,8 @@ class LlamaModel:
             self.lm_head = w.get("lm_head.weight" if not arch.tie_embeddings else "model.embed_tokens.weight")
             self.norm = w.dense("model.norm.weight")
             self.layers = [_Layer(w, i, arch) for i in range(arch.num_layers)]
-        self.weights_cache = None if w.cache is None else w.cache.path  # the file its derived weights are in
+        # the file its derived weights are in (None: nothing derived, or kept in memory)
+        self.weights_cache = w.cache.path if w.cache is not None and w.cache.in_use else None
         self.weights_cache_built = w.cache is not None and w.cache.built  # this process wrote it
         cos, sin = cos_sin_table(arch, arch.max_position)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)

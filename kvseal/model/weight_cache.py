@@ -12,13 +12,14 @@ Opening checks the size, magic, version, header checksum, key and that every blo
 that fails (short, torn, foreign, older format) is rebuilt. Blob bytes are not checksummed (that would read the
 whole file at every start): a build writes them, fdatasyncs, and only then renames the file into place, under an
 exclusive lock that a second process starting at the same time waits on and then maps the result.
-A build writes through a shared writable map of a sparse temporary file (blocks reserved with posix_fallocate,
-so a full disk is an error here and not a SIGBUS later), which is made read-only (mprotect) once published.
+A build pwrites into a sparse temporary file (blocks reserved with posix_fallocate first, so a full disk is an
+error here and not a SIGBUS later) and reads it back through a read-only shared map: no process ever maps the
+cache writable. A valid file is mapped with MAP_POPULATE: when the model is built its weights are resident
+(read from disk if they were not in the page cache), so the first request does not wait on page faults.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import hashlib
 import json
@@ -38,6 +39,7 @@ FORMAT_VERSION = 1
 _MAGIC = b"KVSWCACH"
 _FOOTER = struct.Struct("<8sIQQ32s4x")  # 64 bytes
 _ALIGN = 64
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: read the whole file in when mapping it
 _DTYPES = {str(d): d for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
                                 torch.bfloat16, torch.float32, torch.float64)}
 
@@ -62,7 +64,7 @@ class _Reader:
             size = os.fstat(f.fileno()).st_size
             if size < _FOOTER.size:
                 raise CacheInvalid(f"{size} bytes, shorter than its footer")
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self.map = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
         magic, version, h_off, h_len, digest = _FOOTER.unpack_from(self.map, size - _FOOTER.size)
         if magic != _MAGIC:
             raise CacheInvalid("no footer (a torn or foreign file)")
@@ -79,7 +81,6 @@ class _Reader:
         self.entries: dict[str, Any] = meta["entries"]
         self.data_end = h_off
         self._check(self.entries)
-        self.map.madvise(mmap.MADV_WILLNEED)  # read ahead in the background; pages are mapped on first use
 
     def _check(self, v: Any) -> None:
         if isinstance(v, dict) and "tensor" in v:
@@ -110,31 +111,33 @@ class _Reader:
 
 
 class _Writer:
-    """A cache being built: a sparse temporary file, reserved up to `reserve` bytes, mapped shared and writable."""
+    """A cache being built: a sparse temporary file reserved up to `reserve` bytes, written with pwrite (no page
+    faults, nothing counted in this process's RSS) and read back through a read-only shared map of it."""
 
     def __init__(self, path: Path, key: str, reserve: int) -> None:
         self.path, self.key = path, key
         self.tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self.fd, reserve)
-        self.map = mmap.mmap(self.fd, reserve, access=mmap.ACCESS_WRITE)
+        self.map = mmap.mmap(self.fd, reserve, access=mmap.ACCESS_READ)
         self.reserve, self.used = reserve, 0
         self.entries: dict[str, Any] = {}
 
     def _tensor(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if str(t.dtype) not in _DTYPES or t.device.type != "cpu":
             raise TypeError(f"cannot cache a {t.dtype} tensor on {t.device}")
-        t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
+        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        nbytes = flat.numel()
         off = (self.used + _ALIGN - 1) // _ALIGN * _ALIGN
         if off + nbytes > self.reserve:
             raise OSError(f"the reservation of {self.reserve} bytes is exhausted")
         if nbytes:
             os.posix_fallocate(self.fd, off, nbytes)  # ENOSPC here, not SIGBUS on a page fault later
+            buf, done = flat.numpy().data, 0
+            while done < nbytes:
+                done += os.pwrite(self.fd, buf[done:], off + done)
         self.used = off + nbytes
-        view = torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=off) if nbytes else (
-            torch.empty(0, dtype=torch.uint8))
-        view.copy_(t.reshape(-1).view(torch.uint8))
+        view = _frombuffer(self.map, off, nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
         return view.view(t.dtype).view(t.shape), {"tensor": [off, nbytes, str(t.dtype), list(t.shape)]}
 
     def store(self, v: Any) -> tuple[Any, Any]:
@@ -161,28 +164,16 @@ class _Writer:
         header = json.dumps({"key": self.key, "entries": self.entries}).encode()
         h_off = (self.used + _ALIGN - 1) // _ALIGN * _ALIGN
         footer = _FOOTER.pack(_MAGIC, FORMAT_VERSION, h_off, len(header), hashlib.sha256(header).digest())
-        os.ftruncate(self.fd, h_off + len(header) + _FOOTER.size)  # pages past it are never touched again
+        os.ftruncate(self.fd, h_off + len(header) + _FOOTER.size)  # map pages past it are never touched
         os.pwrite(self.fd, header + footer, h_off)
         os.fdatasync(self.fd)
         os.replace(self.tmp, self.path)
         os.close(self.fd)
-        _protect(self.map, h_off)
 
     def discard(self) -> None:
         """Give up on the file; values already stored stay valid (the map outlives the unlinked file)."""
         os.close(self.fd)
         self.tmp.unlink(missing_ok=True)
-
-
-def _protect(m: mmap.mmap, length: int) -> None:
-    """mprotect(PROT_READ) the published part of the build's map: a stray write faults instead of corrupting the
-    file every later start maps."""
-    if length <= 0:
-        return
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    length = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-    if ctypes.CDLL(None, use_errno=True).mprotect(ctypes.c_void_p(addr), ctypes.c_size_t(length), 1) != 0:
-        log.warning("mprotect of the weights cache failed (errno %d); it stays writable here", ctypes.get_errno())
 
 
 class WeightCache:
@@ -231,6 +222,11 @@ class WeightCache:
     def building(self) -> bool:
         return self._writer is not None
 
+    @property
+    def in_use(self) -> bool:
+        """The weights come from the file: mapped from a valid one, or built and published by this process."""
+        return self._reader is not None or self.built
+
     def lookup(self, name: str) -> Any | None:
         if self._reader is None or name not in self._reader.entries:
             return None
@@ -252,7 +248,9 @@ class WeightCache:
         return stored
 
     def finish(self) -> None:
-        if self._writer is not None:
+        if self._writer is not None and not self._writer.entries:  # nothing derived: no file to map
+            self.discard()
+        elif self._writer is not None:
             self._writer.publish()
             self._writer, self.built = None, True
             for old in self.path.parent.glob(self.path.name.rsplit("-", 1)[0] + "-*.bin"):

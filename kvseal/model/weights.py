@@ -165,8 +165,9 @@ class ModelWeights:
             self.cache.discard()
             return
         self.cache.finish()
-        what = "built" if self.cache.built else "mapped"
-        log.info("weights cache %s: %s in %.2f s", what, self.cache.path, time.perf_counter() - self._t0)
+        if self.cache.in_use:
+            what = "built" if self.cache.built else "mapped"
+            log.info("weights cache %s: %s in %.2f s", what, self.cache.path, time.perf_counter() - self._t0)
 
     # -- what a model asks for --------------------------------------------------------------------------------
     def dense(self, name: str) -> torch.Tensor:

@@ -217,3 +217,26 @@ def test_no_float_copy_of_a_quantized_weight_in_any_path(kernels: str, arithmeti
         scratch = m.layers[0].wqkv.scratch  # type: ignore[union-attr]
         assert all(w.scratch is scratch for w in (m.lm_head, m.layers[-1].w_down))  # type: ignore[union-attr]
         assert 0 < scratch.take(0).untyped_storage().nbytes() <= weights.SCRATCH_BYTES
+
+
+def test_cache_file_round_trip_and_nothing_derived_means_no_file(tmp_path: Path) -> None:
+    from kvseal.kernels.ops import PackedWeight
+    from kvseal.model.weight_cache import WeightCache
+
+    empty = WeightCache(tmp_path, "nothing", "key-0", reserve=1 << 20)
+    assert empty.building
+    empty.finish()
+    assert not empty.in_use and not list(tmp_path.glob("*.bin"))  # a model that derived nothing maps no file
+    blocks = torch.randint(0, 255, (4, 34), dtype=torch.uint8)
+    value = (PackedWeight(int(Q.Q8_0), 4, 32, blocks), torch.arange(6, dtype=torch.float32).view(2, 3), 7, None)
+    w = WeightCache(tmp_path, "some", "key-1", reserve=1 << 20)
+    stored = w.store("a", value)
+    w.finish()
+    assert w.in_use and w.built and mapped_file(stored[0].data.data_ptr()) == os.path.realpath(w.path)
+    r = WeightCache(tmp_path, "some", "key-1", reserve=1 << 20)
+    got = r.lookup("a")
+    r.finish()
+    assert r.in_use and not r.built and r.lookup("b") is None
+    assert isinstance(got[0], PackedWeight) and torch.equal(got[0].data, blocks) and got[0].n == 4
+    assert torch.equal(got[1], value[1]) and got[2:] == (7, None)
+    assert mapped_file(got[1].data_ptr()) == os.path.realpath(r.path)
