@@ -13,6 +13,7 @@ ids as `AutoTokenizer.from_pretrained(dir, gguf_file=...)`:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import gguf
@@ -98,17 +99,17 @@ def tokenizer_from_gguf_reader(reader: GGUFFile) -> Tokenizer:
 
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
+    outside = re.compile("[^" + "".join(re.escape(c) for c in sorted(alphabet)) + "]")  # a C-speed check
 
     def respell(token: str) -> str:
-        return token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
+        return "".join(spelling[b] for b in token.encode("utf-8"))
 
-    vocab = {respell(t): i for i, t in enumerate(tokens)}
-    merge_pairs = []
-    for m in merges:
-        parts = m.split(" ")
-        if len(parts) != 2:
-            raise ValueError(f"GGUF tokenizer.ggml.merges entry {m!r} is not two tokens separated by one space")
-        merge_pairs.append((parts[0], parts[1]))
+    vocab = {respell(t) if outside.search(t) else t: i for i, t in enumerate(tokens)}
+    split = [m.split(" ") for m in merges]
+    bad = next((m for m, pair in zip(merges, split) if len(pair) != 2), None)
+    if bad is not None:
+        raise ValueError(f"GGUF tokenizer.ggml.merges entry {bad!r} is not two tokens separated by one space")
+    merge_pairs = [(a, b) for a, b in split]
     bpe = models.BPE(
         vocab=vocab,
         merges=merge_pairs,
