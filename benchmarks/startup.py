@@ -10,9 +10,9 @@ load: interleaved, `--repeats` times, each in a fresh process: `cat FILE > /dev/
   reading the file, and each load process's peak RSS. Eviction is posix_fadvise(DONTNEED); the share of the file
   still resident afterwards (mincore) is reported, since pages another process maps cannot be evicted.
 serve: `kvseal serve --unified` (or, with --disagg, 1 prefill + 1 decode), its process tree's memory sampled from
-  start to stop (benchmarks.proc_memory): ready time, then 8 streams of a 128-token prompt and 64 tokens out so
-  that every weight and some KV is touched, then RSS and PSS per process and their peaks, against the target
-  1.15 x (file + KV pool) + 500 MiB.
+  start to stop (benchmarks.proc_memory): ready time, then --streams concurrent requests of a 128-token prompt and
+  32 tokens out, so that every weight and some KV is touched, then RSS and PSS per process and their peaks, against
+  the target 1.15 x (file + KV pool) + 500 MiB.
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def bench_serve(a: argparse.Namespace) -> dict[str, Any]:
     try:
         info = _get(srv.url + "/info")
         bench = [sys.executable, "-m", "kvseal", "bench", "--base-url", srv.url, "--dataset", "fixed", "--input-len",
-                 "128", "--output-len", "64", "--num-prompts", "8", "--max-concurrency", "8", "--fresh-prompts"]
+                 "128", "--output-len", "32", "--num-prompts", str(a.streams), "--max-concurrency", str(a.streams),
+                 "--fresh-prompts"]
         subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
         memory.sample()
         per_process = [(p.pid, " ".join(p.cmdline()[2:5]), p.memory_info().rss, p.memory_full_info().pss)
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--disagg", action="store_true", help="serve: 1 prefill + 1 decode instead of --unified")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--streams", type=int, default=4, help="serve: concurrent requests (128 tokens in, 32 out)")
     p.add_argument("--out", default=None, help="write the result JSON here")
     a = p.parse_args(argv)
     result = bench_load(a) if a.what == "load" else bench_serve(a)

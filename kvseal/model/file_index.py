@@ -116,7 +116,8 @@ def file_digests(f: GGUFFile, progress: bool = True) -> FileDigests:
             h.update(bytes.fromhex(digests[t.name]))
         h.update(str(f.size).encode())
         result = FileDigests(h.hexdigest(), digests)
-        unchanged = os.stat(f.path).st_mtime_ns == f.stat.st_mtime_ns
+        now = os.stat(f.path)
+        unchanged = (now.st_mtime_ns, now.st_size, now.st_ino) == (f.stat.st_mtime_ns, f.stat.st_size, f.stat.st_ino)
         if unchanged and time.time_ns() - f.stat.st_mtime_ns > RACY_S * 1e9:
             entry = {"version": INDEX_VERSION, "identity": list(f.identity()), "content_key": result.content_key,
                      "tensor_digests": digests}
