@@ -7,7 +7,8 @@ load: interleaved, `--repeats` times, each in a fresh process: `cat FILE > /dev/
   the page cache (cold) and again (warm); then kvseal's load (load_checkpoint + the model's weights in the chosen
   arithmetic, i.e. everything before the KV pool) on its first start (an empty weights cache folder: the file is
   hashed and the cache built) and on later starts, cold (file and cache evicted) and warm. Medians, the ratio to
-  reading the file, and each load process's peak RSS. Eviction is posix_fadvise(DONTNEED); the share of the file
+  reading the file, the load's CPU time (user + system, all threads: what it costs when the machine is shared)
+  and each load process's peak RSS. Eviction is posix_fadvise(DONTNEED); the share of the file
   still resident afterwards (mincore) is reported, since pages another process maps cannot be evicted.
 serve: `kvseal serve --unified` (or, with --disagg, 1 prefill + 1 decode), its process tree's memory sampled from
   start to stop (benchmarks.proc_memory): ready time, then --streams concurrent requests of a 128-token prompt and
@@ -43,14 +44,15 @@ from kvseal.kernels.arithmetic import resolve_arithmetic
 from kvseal.kernels.build import resolve
 from kvseal.model.llama import LlamaModel
 from kvseal.model.loader import load_checkpoint
-t1 = time.perf_counter()
+t1, c1 = time.perf_counter(), time.process_time()
 ck = load_checkpoint(sys.argv[1], progress=False)
 t2 = time.perf_counter()
 kernels, why = resolve("auto", "cpu", "float32", ck.arch)
 arith = resolve_arithmetic(sys.argv[2], kernels, why, ck.arch, 16, ck.block_types())
 m = LlamaModel(ck, torch.float32, torch.device("cpu"), native=kernels == "native", fast=arith.fast, progress=False)
-t3 = time.perf_counter()
+t3, c3 = time.perf_counter(), time.process_time()
 print(json.dumps({"import_s": t1 - t0, "checkpoint_s": t2 - t1, "model_s": t3 - t2, "load_s": t3 - t1,
+                  "load_cpu_s": c3 - c1,
                   "arithmetic": arith.name, "built": m.weights_cache_built,
                   "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
@@ -121,9 +123,11 @@ def bench_load(a: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(fresh, ignore_errors=True)
     med = {k: statistics.median(r["load_s"] for r in v) for k, v in runs.items()}
     rows = [f"| {k} | {med[k]:.2f} s | {med[k] / med['cat_cold']:.2f} | {med[k] / med['cat_warm']:.2f} | "
-            + (f"{statistics.median(r['peak_rss'] for r in v) / 1e9:.2f} GB |" if "peak_rss" in v[0] else "— |")
+            + (f"{statistics.median(r['load_cpu_s'] for r in v):.2f} s | "
+               f"{statistics.median(r['peak_rss'] for r in v) / 1e9:.2f} GB |" if "peak_rss" in v[0] else "— | — |")
             for k, v in runs.items()]
-    table = "\n".join(["| what | median | / cat cold | / cat warm | peak RSS |", "|---|---|---|---|---|", *rows])
+    table = "\n".join(["| what | median | / cat cold | / cat warm | CPU time | peak RSS |", "|---|---|---|---|---|---|",
+                       *rows])
     return {"model": a.model, "size": os.path.getsize(a.model), "runs": runs, "medians_s": med, "table": table,
             "resident_after_evict": residue, "arithmetic": runs["first"][0]["arithmetic"]}
 
