@@ -145,6 +145,8 @@ class ModelWeights:
                 self.cache = WeightCache(weights_cache_dir(), stem, key, reserve=4 * total + (64 << 20))
             except OSError as e:
                 log.warning("no weights cache (%s); derived weights stay in memory", e)
+            if not fast:  # exact derives only the llama q/k whose rows it puts back in order
+                total = sum(q.nbytes for q in ckpt.packed.values() if q.row_order is not None)
             if self.cache is not None and self.cache.building:
                 self._bar = tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr, delay=2.0,
                                  desc=f"packing {self.form} weights", disable=not progress)

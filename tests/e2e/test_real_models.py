@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvseal.kernels.arithmetic import resolve_arithmetic
-from kvseal.kernels.ops import BLOCK_BYTES
+from kvseal.kernels.ops import BLOCKS
 from kvseal.model import file_index
 from kvseal.model.gguf import load_gguf
 from kvseal.model.loader import load_checkpoint
@@ -37,7 +37,7 @@ def test_qwen_q4_k_m_loads_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ck.fingerprint != load_checkpoint(None, progress=False).fingerprint
     # the fast arithmetic runs exactly when the kernels take every block type of the file
     arith = resolve_arithmetic("auto", "native", "test", a, 16, ck.block_types())
-    assert arith.fast == all(t in BLOCK_BYTES for t in ck.block_types())
+    assert arith.fast == all(t in BLOCKS for t in ck.block_types())
     # the second load reads the digests from the index (the file was fetched more than RACY_S ago)
     if time.time() - os.path.getmtime(path) > file_index.RACY_S:
         monkeypatch.setattr(file_index, "hash_tensors", lambda *_: pytest.fail("hashed again"))

@@ -157,7 +157,7 @@ def test_a_block_type_without_kernel_is_dequantized_per_call(tmp_path: Path, cac
                                                              caplog: pytest.LogCaptureFixture) -> None:
     from kvseal import LLM, SamplingParams
 
-    monkeypatch.delitem(ops.BLOCK_BYTES, int(Q.Q5_1), raising=False)  # whatever the kernels add later
+    monkeypatch.delitem(ops.BLOCKS, int(Q.Q5_1), raising=False)  # whatever the kernels add later
     ck = load_gguf(tiny_quantized(tmp_path, family="qwen2", v=Q.Q5_1), progress=False)
     assert ck.block_types()[int(Q.Q5_1)] == "Q5_1"
     prompts = [[5, 9, 40, 41, 42, 7], [100, 3, 3, 77]]
