@@ -1,7 +1,11 @@
-.PHONY: setup serve test lint bench
+.PHONY: setup models serve test lint bench
 
 setup:
 	bash scripts/setup.sh
+
+# the real GGUF models beyond the 0.5B that setup fetches: Qwen2.5-Coder-1.5B-Instruct and Gemma 3 270M, Q4_K_M
+models: setup
+	.venv/bin/python scripts/fetch_models.py --all
 
 serve: setup
 	.venv/bin/kvseal serve

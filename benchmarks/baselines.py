@@ -11,7 +11,10 @@ For each system: start it on a free loopback port, wait until it is ready, run t
 (always `--dataset fixed --fresh-prompts`: prompts of exactly N random token ids, none sent twice):
   load   --input-len I --output-len O --num-prompts N --max-concurrency 1,4,16,32
   long   --input-len 2000 --output-len 1 --num-prompts 1 --max-concurrency 1   (time to first token)
-then stop it (SIGTERM to its process group, SIGKILL after 30 s), so no two servers share the CPU. A system that
+then stop it (SIGTERM to its process group, SIGKILL after 30 s), so no two servers share the CPU. Every system gets
+the same two extra columns: ready (seconds from starting its process to the first 200 on /health, or /v1/models
+for llama-cpp-python, which has no /health) and its peak memory (RSS, and PSS, summed over its process tree from
+start to stop: benchmarks.proc_memory). A system that
 cannot start (not built, crash at start, not ready in time) gets a row that says why; the others still run, and
 the exit code is 1 when any system did not run or any request failed.
 
@@ -37,6 +40,7 @@ from typing import Any
 from benchmarks import cpu_record
 from benchmarks.baselines_table import build_table, side_by_side_plot, summary_table
 from benchmarks.common import ManagedServer, free_port
+from benchmarks.proc_memory import TreeMemory
 from benchmarks.systems import (
     DEFAULT_SYSTEMS,
     SYSTEMS,
@@ -66,21 +70,24 @@ def _last_line(text: str) -> str:
     return next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")[:300]
 
 
-def start(how: Launch, port: int, log_path: str, timeout: float) -> ManagedServer:
-    """The server, ready; or ServerDidNotStart with a one-line reason (its last line of output in it)."""
+def start(how: Launch, port: int, log_path: str, timeout: float) -> tuple[ManagedServer, TreeMemory]:
+    """The server, ready, and the sampler of its memory (started with the process); or ServerDidNotStart with a
+    one-line reason (its last line of output in it)."""
     try:
         srv = ManagedServer(list(how.argv), f"http://127.0.0.1:{port}", how.ready_path, log_path, env=dict(how.env))
     except OSError as e:
         raise ServerDidNotStart(f"cannot execute {how.argv[0]}: {e.strerror or e}") from e
+    memory = TreeMemory(srv.p.pid).start()
     try:
         srv.wait_ready(timeout)
     except (RuntimeError, TimeoutError) as e:
+        memory.stop()
         code = srv.stop()
         tail = srv.output()[-3000:]
         what = f"not ready after {timeout:g} s" if isinstance(e, TimeoutError) else f"exited with {code} while starting"
         last = _last_line(tail)
         raise ServerDidNotStart(f"{what}: {last}" if last else what, tail) from e
-    return srv
+    return srv, memory
 
 
 def bench_command(base_url: str, result_json: str, *, input_len: int, output_len: int, num_prompts: int,
@@ -135,15 +142,15 @@ def run_system(system: str, s: Settings, a: argparse.Namespace, extra: Sequence[
                                   "log": str(out_dir / f"{stem}.{group[0]}.server.log")}
         entry["servers"].append(server)
         print(f"== {system} ({', '.join(group)}): {' '.join(how.argv)}", file=sys.stderr, flush=True)
-        t0 = time.monotonic()
+        t0 = time.monotonic()  # "ready": from starting the process to its first 200 on how.ready_path
         try:
-            srv = start(how, port, server["log"], a.ready_timeout)
+            srv, memory = start(how, port, server["log"], a.ready_timeout)
         except ServerDidNotStart as e:
             server["error"] = e.log_tail
             entry.update(status="failed", reason=e.reason)
             print(f"   {system} did not start: {e.reason}", file=sys.stderr, flush=True)
             break
-        server["ready_s"] = round(time.monotonic() - t0, 1)
+        server["ready_s"] = round(time.monotonic() - t0, 2)
         print(f"   ready in {server['ready_s']}s", file=sys.stderr, flush=True)
         try:
             cmds = workload_commands(a, extra, srv.url, out_dir, stem, plot)
@@ -159,6 +166,7 @@ def run_system(system: str, s: Settings, a: argparse.Namespace, extra: Sequence[
                 elif entry["status"] == "ok":
                     entry.update(status="failed", reason=f"{w}: kvseal bench exited with {rc} and wrote no result")
         finally:
+            server["memory"] = memory.stop()
             server["exit"] = srv.stop()
     return entry
 

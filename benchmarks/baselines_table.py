@@ -1,7 +1,8 @@
 """The baseline run's tables and plot, from `kvseal bench` result JSONs. Pure except the plot.
 
 - `summary_table`: a row per system (every system of the run, also one that could not start: its row says
-  why), a column per load level (output tok/s with median TTFT / TPOT) and one for the long prompt's TTFT.
+  why), a column per load level (output tok/s with median TTFT / TPOT), one for the long prompt's TTFT, and
+  the system's ready time and peak memory.
 - `build_table`: a row per (load level, system) with the three numbers in columns of their own.
 """
 
@@ -81,9 +82,24 @@ def _long_ttft(result: dict[str, Any] | None) -> str:
     return "—" if v is None else f"{float(v) / 1e3:,.2f} s"
 
 
+def _gb(v: Any) -> str:
+    return "—" if not v else f"{float(v) / 1e9:.2f}"
+
+
+def _startup(entry: dict[str, Any]) -> list[str]:
+    """[ready, peak memory] of a system: its first server's ready time, the largest peak over its servers."""
+    servers = [sv for sv in entry.get("servers") or [] if sv.get("ready_s") is not None]
+    if not servers:
+        return ["—", "—"]
+    peak = max(servers, key=lambda sv: (sv.get("memory") or {}).get("peak_rss_bytes") or 0).get("memory") or {}
+    ready = f"{float(servers[0]['ready_s']):.1f} s"
+    return [ready, f"{_gb(peak.get('peak_rss_bytes'))} GB ({_gb(peak.get('peak_pss_bytes'))})"]
+
+
 def summary_table(entries: dict[str, dict[str, Any]], long_input_len: int | None) -> str:
-    """A row per system: each load level's `tok/s (TTFT / TPOT ms)`, the long prompt's TTFT, and a note (why
-    it did not run, failed or short requests, a separate server for the long prompt).
+    """A row per system: each load level's `tok/s (TTFT / TPOT ms)`, the long prompt's TTFT, its ready time (first
+    server), its peak RSS and PSS (the largest over its servers), and a note (why it did not run, failed or short
+    requests, a separate server for the long prompt).
 
     `entries` maps a system to the runner's record: `status` ("ok", "unavailable", "failed"), `reason`,
     `result` (the load's JSON), `long_result` and `long_note`."""
@@ -94,7 +110,7 @@ def summary_table(entries: dict[str, dict[str, Any]], long_input_len: int | None
     headers = ["system", *(f"{lv} tok/s (TTFT / TPOT ms)" for lv in levels)]
     if long_input_len:
         headers.append(f"{long_input_len:,}-token prompt TTFT")
-    headers.append("note")
+    headers += ["ready", "peak RSS (PSS)", "note"]
     rows = []
     for s, e in entries.items():
         cells = [_label(s)]
@@ -114,7 +130,7 @@ def summary_table(entries: dict[str, dict[str, Any]], long_input_len: int | None
             notes += _problems("long prompt ", passes_by_level(long_result or {}))
             if e.get("long_note"):
                 notes.append(f"long prompt on {e['long_note']}")
-        rows.append([*cells, "; ".join(notes)])
+        rows.append([*cells, *_startup(e), "; ".join(notes)])
     return markdown_table(headers, rows)
 
 

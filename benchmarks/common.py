@@ -115,7 +115,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def hf_model(ckpt: Any, dtype: str) -> Any:
-    """transformers' model class on kvseal's dequantized weights (the e2e tests check both loaders agree)."""
+    """transformers' model class on kvseal's weights, dequantized (the e2e tests check both loaders agree)."""
     import torch
     import transformers
 
@@ -131,7 +131,8 @@ def hf_model(ckpt: Any, dtype: str) -> Any:
                   rope_parameters=rope, rms_norm_eps=a.rms_eps, max_position_embeddings=a.max_position,
                   tie_word_embeddings=a.tie_embeddings, **kw)
     model = model_cls(cfg)
-    missing, unexpected = model.load_state_dict(ckpt.weights, strict=False)
+    state = {**ckpt.weights, **{n: q.dequantize() for n, q in ckpt.packed.items()}}  # the reference's own copy
+    missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (a.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(f"weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")
@@ -179,7 +180,7 @@ class ManagedServer:
                     return time.monotonic() - t0
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.1)
         raise TimeoutError(f"{self.url}{self.ready_path} not ready after {timeout:.0f}s:\n{self.output()[-3000:]}")
 
     def stop(self, timeout: float = 30.0) -> int | None:

@@ -1,7 +1,13 @@
-"""The bundled GGUF as a bfloat16 Hugging Face checkpoint (safetensors, config, tokenizer) for vLLM's CPU build.
+"""A GGUF (the bundled one by default) as a bfloat16 Hugging Face checkpoint (safetensors, config, tokenizer) for
+vLLM's CPU build.
 
     python -m benchmarks.gguf_to_safetensors --out-root ~/.cache/kvseal-peers/models   # -> .../<name>/
+    python -m benchmarks.gguf_to_safetensors --gguf FILE --out-root ~/.cache/kvseal-peers/models  # -> .../<stem>/
     python -m benchmarks.gguf_to_safetensors --print-dir --out-root DIR                # where it would go
+
+Checked on Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2, Q4_K and Q6_K): every weight equals kvseal's dequantization
+of the same blocks rounded to bfloat16 (about 6 minutes and 3.6 GB here). `python -m benchmarks.baselines --model
+FILE` runs vLLM on <out-root>/<the file's stem>.
 
 transformers dequantizes the GGUF (`from_pretrained(dir, gguf_file=...)`), but the model it returns refuses
 `save_pretrained` (its config carries a quantization_config), so a fresh model is built from the config without

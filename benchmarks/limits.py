@@ -72,13 +72,14 @@ def instruction_peaks() -> None:
 
 def model_products(rows: tuple[int, ...] = (1, 8, 32, 128, 512)) -> None:
     """All 210 layer matrices of the bundled model times (M, K) rows: int8 (fast arithmetic) vs bf16 vs fp32."""
-    from kvseal.kernels.ops import QWeight, qisa, qlinear
+    from kvseal.kernels.ops import PackedWeight, QWeight, qisa, qlinear
     from kvseal.model.loader import load_checkpoint
 
     ck = load_checkpoint(None)
     names = [n for n in ck.packed if ".layers." in n]
-    q = [QWeight.pack(ck.packed[n]) for n in names]
-    dense = [ck.packed[n].dequantize() for n in names]
+    blocks = [ck.packed[n] for n in names]
+    q = [QWeight.pack(PackedWeight(b.qtype, b.n, b.k, b.blocks_in_order())) for b in blocks]
+    dense = [b.dequantize() for b in blocks]
     bf = [w.to(torch.bfloat16) for w in dense]
     macs = sum(w.numel() for w in dense)
     print(f"every layer matrix of the bundled model ({macs / 1e6:.0f} M weights; int8 reads "

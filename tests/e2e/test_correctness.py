@@ -1,9 +1,10 @@
 """Seal 10 for the engine: greedy ids equal Hugging Face transformers' for the same GGUF weights (fp32),
 alone and batched, including a >1,000-token prompt prefilled in chunks. One differing token fails.
 
-Both kernel sets are held to it: torch (dequantized weights, torch ops: the same arithmetic as transformers)
-and native (the file's Q4_1/Q8_0 blocks multiplied as stored, kvseal's paged attention kernel), whose sums
-run in another order and so differ from transformers' logits by float rounding only."""
+Both kernel sets are held to it: torch (each quantized matrix dequantized at every call into a scratch buffer,
+torch ops: transformers' arithmetic) and native (the file's Q4_1/Q8_0 blocks multiplied as stored, kvseal's paged
+attention kernel), whose sums run in another order and so differ from transformers' logits by float rounding
+only."""
 
 from __future__ import annotations
 

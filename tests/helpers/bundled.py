@@ -1,7 +1,7 @@
 """The bundled SmolLM2 GGUF, loaded once per test process by kvseal and by transformers.
 
-Loading it costs seconds (GGUFReader alone parses ~98k tokenizer strings), so one read-only reader
-and each loader's result are memoized here and shared by every test module in the process.
+transformers' loading costs seconds (gguf-py's GGUFReader alone parses ~98k tokenizer strings), so one
+read-only reader and each loader's result are memoized here and shared by every test module in the process.
 """
 
 from __future__ import annotations
@@ -16,25 +16,21 @@ from typing import Any, Literal
 import gguf
 
 from kvseal.model.checkpoint import Checkpoint
-from kvseal.model.gguf import checkpoint_from_gguf_reader
+from kvseal.model.gguf import load_gguf
+from kvseal.model.gguf_file import GGUFFile
 from kvseal.model.loader import DEFAULT_MODEL_NAME, default_model_path
 from kvseal.model.tokenizer import Tokenizer
 
 
-def bundled_reader() -> gguf.GGUFReader:
-    """One GGUFReader of the bundled file for the whole process (readers are read-only)."""
-    return _cached_reader(os.path.realpath(default_model_path()), "r")
-
-
 @functools.lru_cache(maxsize=1)
 def bundled_tokenizer() -> Tokenizer:
-    return Tokenizer.from_gguf_fields(bundled_reader())
+    return Tokenizer.from_gguf_fields(GGUFFile(default_model_path()))
 
 
 @functools.lru_cache(maxsize=1)
 def bundled_checkpoint() -> Checkpoint:
     """kvseal's load of the bundled model (shared; tests must not mutate it)."""
-    ckpt = checkpoint_from_gguf_reader(bundled_reader(), default_model_path(), progress=False)
+    ckpt = load_gguf(default_model_path(), progress=False)
     ckpt.name = DEFAULT_MODEL_NAME
     return ckpt
 

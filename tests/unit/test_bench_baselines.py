@@ -4,6 +4,7 @@ parsing and its batched decode loop (on a tiny random model, against transformer
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 from collections.abc import Sequence
@@ -175,7 +176,8 @@ def test_summary_table_has_a_row_for_every_system() -> None:
     start or run gets a row that says why."""
     entries: dict[str, dict[str, Any]] = {
         "kvseal": {"status": "ok", "result": _result([(1, 49.2, 120.0, 18.8), (8, 150.0, 1600.0, 40.0)]),
-                   "long_result": _result([(1, 0.25, 4200.0, None)])},
+                   "long_result": _result([(1, 0.25, 4200.0, None)]),
+                   "servers": [{"ready_s": 2.46, "memory": {"peak_rss_bytes": 1.234e9, "peak_pss_bytes": 0.9e9}}]},
         "llama-server": {"status": "ok", "result": _result([(1, 94.9, 80.0, 7.9)], failed=1),
                          "long_result": _result([(1, 0.1, 7500.0, None)]), "long_note": "its own server (-np 1)"},
         "vllm": {"status": "failed", "reason": "exited with 1 while starting: RuntimeError: no AVX512"},
@@ -183,16 +185,39 @@ def test_summary_table_has_a_row_for_every_system() -> None:
     }
     lines = bt.summary_table(entries, 2000).splitlines()
     assert _cells(lines[0]) == ["system", "c=1 tok/s (TTFT / TPOT ms)", "c=8 tok/s (TTFT / TPOT ms)",
-                                "2,000-token prompt TTFT", "note"]
+                                "2,000-token prompt TTFT", "ready", "peak RSS (PSS)", "note"]
     rows = {_cells(ln)[0]: _cells(ln)[1:] for ln in lines[2:]}
-    assert rows["kvseal unified"] == ["49.2 (120 / 18.8)", "150.0 (1,600 / 40.0)", "4.20 s", ""]
+    assert rows["kvseal unified"] == ["49.2 (120 / 18.8)", "150.0 (1,600 / 40.0)", "4.20 s", "2.5 s",
+                                      "1.23 GB (0.90)", ""]
     assert rows["llama.cpp llama-server -cb"] == [
-        "94.9 (80.0 / 7.9)", "—", "7.50 s", "c=1: 1 failed, 0 short outputs; long prompt on its own server (-np 1)"]
+        "94.9 (80.0 / 7.9)", "—", "7.50 s", "—", "—",
+        "c=1: 1 failed, 0 short outputs; long prompt on its own server (-np 1)"]
     assert rows["vLLM CPU bf16 (prefix cache on)"] == [
-        "—", "—", "—", "failed: exited with 1 while starting: RuntimeError: no AVX512"]
+        "—", "—", "—", "—", "—", "failed: exited with 1 while starting: RuntimeError: no AVX512"]
     assert rows["transformers (static batches)"][-1] == "did not run: transformers is not installed"
     no_long = bt.summary_table({"kvseal": entries["kvseal"]}, None).splitlines()
-    assert "prompt TTFT" not in no_long[0] and len(_cells(no_long[2])) == 4
+    assert "prompt TTFT" not in no_long[0] and len(_cells(no_long[2])) == 6
+
+
+def test_tree_memory_sums_a_process_tree() -> None:
+    """A child and its grandchild, 120 MB each: the sampled peak sums both (RSS and PSS), and each one's own
+    high-water mark is recorded."""
+    from benchmarks.proc_memory import TreeMemory
+
+    hold = "x = bytearray(120 << 20); import sys; sys.stdout.write('up\\n'); sys.stdout.flush(); sys.stdin.read()"
+    code = (f"import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', {hold!r}], stdout=subprocess.PIPE, "
+            f"stdin=subprocess.PIPE); c.stdout.readline(); {hold}")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    mem = TreeMemory(p.pid, interval=0.05, pss_every=1).start()
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"up\n"
+        mem.sample()
+        got = mem.stop()
+    finally:
+        p.kill()
+        p.wait()
+    assert got["processes"] == 2 and got["peak_rss_bytes"] > 240e6 and got["peak_pss_bytes"] > 240e6
+    assert got["hwm_sum_bytes"] >= got["peak_rss_bytes"]
 
 
 CPUINFO = """processor\t: 0

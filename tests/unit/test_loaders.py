@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,12 +14,14 @@ import gguf
 import pytest
 import torch
 
+from kvseal.kernels.ops import BLOCKS
 from kvseal.model import loader
-from kvseal.model.checkpoint import Checkpoint, ModelArch, weights_fingerprint
+from kvseal.model.checkpoint import Checkpoint, ModelArch
 from kvseal.model.gguf import load_gguf
 from kvseal.model.loader import default_model_path, load_checkpoint
 from kvseal.model.safetensors import arch_from_hf_config, load_hf_folder
 from tests.helpers.bundled import bundled_checkpoint, transformers_gguf_model
+from tests.helpers.memory import mapped_file
 from tests.helpers.tiny_gguf import write_tiny_gguf
 from tests.helpers.tiny_models import CHATML_TEMPLATE, make_tiny_llama
 
@@ -64,25 +67,25 @@ def test_gguf_weights_equal_transformers(ckpt: Checkpoint, hf_gguf_state: dict[s
     expected = dict(hf_gguf_state)
     # transformers ties lm_head to the embedding; the Checkpoint omits it when tie_embeddings.
     assert torch.equal(expected.pop("lm_head.weight"), expected["model.embed_tokens.weight"])
-    assert set(ckpt.weights) == set(expected)
+    assert set(ckpt.weights) | set(ckpt.packed) == set(expected) and not set(ckpt.weights) & set(ckpt.packed)
     for name, tensor in expected.items():
-        got = ckpt.weights[name]
-        assert got.dtype == torch.float32 and got.device.type == "cpu", name
-        assert torch.equal(got, tensor), name
+        if name in ckpt.packed:  # kept as the file's blocks; dequantized here only to compare
+            q = ckpt.packed[name]
+            assert torch.equal(q.dequantize(native=False), tensor), name  # gguf-py's arithmetic, as transformers'
+            torch.testing.assert_close(q.dequantize(), tensor, rtol=2e-7, atol=0)  # kernels: up to an fma's rounding
+        else:
+            got = ckpt.weights[name]
+            assert got.dtype == torch.float32 and got.device.type == "cpu", name
+            assert torch.equal(got, tensor), name
 
 
-def test_gguf_fingerprint_stable_and_sensitive(
-    ckpt: Checkpoint, hf_gguf_state: dict[str, torch.Tensor]
-) -> None:
-    # A second, independent load of the same file (transformers') hashes the same; so does a rehash.
-    hf_weights = {k: v for k, v in hf_gguf_state.items() if k != "lm_head.weight"}
-    assert weights_fingerprint(hf_weights) == ckpt.fingerprint == weights_fingerprint(ckpt.weights)
-    assert ckpt.fingerprint.startswith("sha256:")
-    changed = dict(ckpt.weights)
-    tensor = changed["model.layers.7.mlp.up_proj.weight"].clone()
-    tensor.view(-1).view(torch.uint8)[12345] ^= 1
-    changed["model.layers.7.mlp.up_proj.weight"] = tensor
-    assert weights_fingerprint(changed) != ckpt.fingerprint
+def test_gguf_keeps_no_float_copy_of_a_quantized_weight(ckpt: Checkpoint) -> None:
+    # every matrix of the Q4_1 file stays in its blocks, a view of the mapped file; only norm vectors are floats
+    assert ckpt.weights and all(t.dim() == 1 for t in ckpt.weights.values())
+    assert len(ckpt.packed) == 7 * ckpt.arch.num_layers + 1
+    for q in ckpt.packed.values():
+        assert mapped_file(q.data.data_ptr()) == os.path.realpath(default_model_path())
+        assert mapped_file(q.data.data_ptr() + q.nbytes - 1) == os.path.realpath(default_model_path())
 
 
 # ---------------------------------------------------------------- Hugging Face folders
@@ -182,24 +185,32 @@ def test_hf_config_variants() -> None:
 
 
 @pytest.mark.parametrize(("family", "pre"), [("llama", "smollm"), ("qwen2", "qwen2")])
-def test_tiny_gguf_round_trip(tiny_root: Path, family: str, pre: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tiny_gguf_round_trip(tiny_root: Path, family: str, pre: str) -> None:
     folder = make_tiny_llama(tiny_root, family, tie=False)
-    q8 = "model.layers.0.mlp.up_proj.weight"
+    # q/k in blocks: for llama their rows are permuted in the file and must come back in HF order
+    quantize = {f"model.layers.0.{n}.weight": gguf.GGMLQuantizationType.Q8_0
+                for n in ("mlp.up_proj", "self_attn.q_proj", "self_attn.k_proj")}
+    quantize["model.layers.1.self_attn.k_proj.weight"] = gguf.GGMLQuantizationType.Q4_1
     gguf_dir = tiny_root / f"gguf-{family}"
     gguf_dir.mkdir()
-    path = write_tiny_gguf(folder, str(gguf_dir / f"tiny-{family}.Q8_0.gguf"), pre=pre,
-                           quantize={q8: gguf.GGMLQuantizationType.Q8_0})
+    path = write_tiny_gguf(folder, str(gguf_dir / f"tiny-{family}.Q8_0.gguf"), pre=pre, quantize=quantize)
     hf = load_hf_folder(folder, progress=False)
-    got = load_checkpoint(str(gguf_dir), progress=True)  # a folder holding exactly one .gguf
-    assert "dequantizing" in capsys.readouterr().err
+    got = load_checkpoint(str(gguf_dir), progress=False)  # a folder holding exactly one .gguf
     assert got.name == f"tiny-{family}" and got.source == path
     assert got.arch == dataclasses.replace(hf.arch, rms_eps=got.arch.rms_eps)  # eps is float32 in a GGUF
     assert got.arch.rms_eps == pytest.approx(1e-6, rel=1e-6)
+    # blocks stay packed; so do float matrices when the kernels take them as stored (F32 in ops.BLOCKS)
+    floats_as_stored = int(gguf.GGMLQuantizationType.F32) in BLOCKS
+    assert set(got.packed) == set(quantize) | {n for n, t in hf.weights.items() if t.dim() == 2 and floats_as_stored}
+    assert set(got.weights) | set(got.packed) == set(hf.weights)
     for name, tensor in hf.weights.items():
-        if name == q8:
-            blocks = gguf.quants.quantize(tensor.numpy(), gguf.GGMLQuantizationType.Q8_0)
-            expect = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0))
-            assert torch.equal(got.weights[name], expect.reshape(tensor.shape))
+        if name in quantize:
+            blocks = gguf.quants.quantize(tensor.numpy(), quantize[name])
+            tensor = torch.from_numpy(gguf.quants.dequantize(blocks, quantize[name])).reshape(tensor.shape)
+        if name in got.packed:
+            assert torch.equal(got.packed[name].dequantize(native=False), tensor), name
+            assert (got.packed[name].row_order is not None) == (family == "llama" and "_proj" in name
+                                                                  and name.split(".")[-2] in ("q_proj", "k_proj"))
         else:
             assert torch.equal(got.weights[name], tensor), name
     for text in ["the weather is fine", "héllo 🤖 <|im_start|>"]:
@@ -209,19 +220,26 @@ def test_tiny_gguf_round_trip(tiny_root: Path, family: str, pre: str, capsys: py
     )
 
 
-def test_gguf_two_loads_same_fingerprint(tiny_root: Path) -> None:
+def test_gguf_fingerprint_stable_and_distinct(tiny_root: Path) -> None:
     folder = make_tiny_llama(tiny_root, "llama", tie=True)
-    quantize = {"model.layers.0.mlp.up_proj.weight": gguf.GGMLQuantizationType.Q4_1,
+    layer = "model.layers.0.mlp.up_proj.weight"
+    quantize = {layer: gguf.GGMLQuantizationType.Q4_1,
                 "model.layers.1.mlp.down_proj.weight": gguf.GGMLQuantizationType.Q8_0,
                 "model.layers.1.self_attn.q_proj.weight": gguf.GGMLQuantizationType.F16}
     path = write_tiny_gguf(folder, str(tiny_root / "fp.gguf"), quantize=quantize)
     first, second = load_gguf(path, progress=False), load_gguf(path, progress=False)
-    assert first.fingerprint == second.fingerprint
+    assert first.fingerprint == second.fingerprint and first.fingerprint.startswith("sha256:")
+    assert first.content_key == second.content_key
     assert first.arch.tie_embeddings and "lm_head.weight" not in first.weights
+    # the same weights in another quantization are other weights
+    other = write_tiny_gguf(folder, str(tiny_root / "fp-q8.gguf"), quantize={**quantize,
+                            layer: gguf.GGMLQuantizationType.Q8_0})
+    assert load_gguf(other, progress=False).fingerprint != first.fingerprint
     raw = bytearray(Path(path).read_bytes())
     raw[-7] ^= 0x10  # one byte of the last tensor's data
     Path(path).write_bytes(bytes(raw))
-    assert load_gguf(path, progress=False).fingerprint != first.fingerprint
+    changed = load_gguf(path, progress=False)
+    assert changed.fingerprint != first.fingerprint and changed.content_key != first.content_key
 
 
 def test_gguf_errors(tiny_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,6 +248,12 @@ def test_gguf_errors(tiny_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="architecture='gemma'"):
         load_gguf(bad, progress=False)
     good = write_tiny_gguf(folder, str(tiny_root / "ok.gguf"))
+    (tiny_root / "short.gguf").write_bytes(Path(good).read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"truncated: tensor '.*' needs bytes up to"):
+        load_gguf(str(tiny_root / "short.gguf"), progress=False)
+    (tiny_root / "text.gguf").write_bytes(b"not a model at all, only text")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_gguf(str(tiny_root / "text.gguf"), progress=False)
 
     def refuse(data: Any, qtype: gguf.GGMLQuantizationType) -> Any:
         raise NotImplementedError(f"Dequantization for {qtype.name} is not yet implemented")
