@@ -11,11 +11,13 @@ worker observes as things happen (queue time, KV transfer time). Served on the w
     kvseal:kv_transfers_total{result}           acked / refused
     kvseal:kv_transfer_seconds                  prefill: sending a handoff to decode's acknowledgement
     kvseal:prefix_cache_hit_tokens_total, kvseal:cached_pages, kvseal:frames_refused_total, kvseal:worker_info
-    kvseal:kv_reads_in_flight, kv_reads_overdue, kv_quarantined_pages  gauges (decode, NIXL): reads whose pages are
-                                                claimed, those past their deadline, pages of ended requests kept
-                                                out of the pool until their read is over
-    kvseal:kv_export_pages_held, kv_export_pages_overdue   gauges (prefill, NIXL): export window pages holding
-                                                offered KV until decode answers; those whose answer is past due
+    kvseal:kv_reads_in_flight, _reads_overdue, _read_pages_overdue, _quarantined_pages   gauges (decode, NIXL):
+                                                reads whose pages are claimed, those past their deadline and their
+                                                pages, pages of ended requests kept out of the pool until their
+                                                read is over
+    kvseal:kv_export_pages_held, _export_pages_overdue, _offers_waiting   gauges (prefill, NIXL): export window
+                                                pages holding offered KV until decode answers, those whose answer
+                                                is past due, offers waiting for room
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 KV_FIGURES = {  # Transport.figures() (and decode's quarantine) exported as gauges
     "kv_reads_in_flight": "NIXL reads whose claimed pages may still receive bytes",
     "kv_reads_overdue": "NIXL reads past their deadline and still running (their requests ended)",
+    "kv_read_pages_overdue": "Pages claimed by NIXL reads past their deadline, out of the pool until the read ends",
     "kv_quarantined_pages": "Pages of ended requests kept out of the pool until their NIXL read is over",
     "kv_export_pages_held": "Export window pages holding offered KV until decode answers",
     "kv_export_pages_overdue": "Export window pages whose decode answer is past the transfer timeout",
+    "kv_offers_waiting": "NIXL offers waiting for room in their decode worker's export window",
 }
 
 

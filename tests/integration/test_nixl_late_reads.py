@@ -17,14 +17,18 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
+import zmq
 
 from kvseal.engine.messages import GenerateDelta
-from kvseal.errors import KvsealError
+from kvseal.errors import KvsealError, TransferTimeout
 from kvseal.lifecycle import State
-from kvseal.transfer.manifest import KVManifest
-from tests.helpers.kv_peers import PoolSpec, PrefillProcess, decode_worker, pump, reserve
+from kvseal.transfer.base import TransferHandle, TransferState, create_transport
+from kvseal.transfer.manifest import KVManifest, PoolPages, Reservation, new_nonce, new_reservation_id
+from kvseal.transfer.zmq import TransferHeader, TransferReply
+from tests.helpers.kv_peers import PoolSpec, PrefillProcess, decode_worker, pump, reserve, wait_status
 
 pytestmark = pytest.mark.integration
 
@@ -115,3 +119,52 @@ def wait_stopped(pid: int) -> None:
             return
         time.sleep(0.001)
     raise AssertionError(f"process {pid} did not stop")
+
+
+def test_prefill_keeps_what_it_offered_until_decode_answers_even_after_its_own_timeout() -> None:
+    """Prefill's side of the same rule: pages it offered stay in its export window (readable, unchanged) until the
+    decode worker answers, which it does only once its read is over, however late; prefill's own transfer timeout
+    fails the handoff but frees nothing a read may still be copying. An offer that finds the window full waits."""
+    spec = PoolSpec(shape=(2, 16, 4, 2, 8), dtype="bfloat16", fingerprint="fp", page_size=4, kv_layout="L2")
+    k, v = spec.pool(2)
+    ctx = zmq.Context()
+    decode = ctx.socket(zmq.ROUTER)  # a decode worker that reads the offer and answers only much later
+    decode.setsockopt(zmq.LINGER, 0)
+    endpoint = (decode.bind("tcp://127.0.0.1:0"), decode.getsockopt_string(zmq.LAST_ENDPOINT))[1]
+    try:
+        with create_transport("nixl", timeout_s=30.0, export_pages=4) as tx:
+            tx.register(k, v)
+
+            def send(rid: str, pages: tuple[int, ...]) -> TransferHandle:
+                res = Reservation(request_id=rid, reservation_id=new_reservation_id(), nonce=new_nonce(),
+                                  num_tokens=4 * len(pages), page_ids=list(pages), model_fingerprint="fp",
+                                  page_size=4, kv_dtype="bfloat16", kv_layout="L2", kv_endpoint=endpoint)
+                src = PoolPages(k, v, pages)
+                return tx.send(endpoint, spec.manifest(res, src), src, timeout_s=0.3)
+
+            first = send("first", (0, 1, 2))
+            ident, header, _ = decode.recv_multipart()
+            second = send("second", (5, 6))  # 2 pages, 1 free: waits, nothing offered yet
+            assert tx.figures() == {"kv_export_pages_held": 3, "kv_export_pages_overdue": 0, "kv_offers_waiting": 1}
+            assert not decode.poll(100)
+            assert wait_status(tx, first).state is TransferState.TIMED_OUT  # the handoff fails ...
+            late = wait_status(tx, second)
+            assert late.state is TransferState.TIMED_OUT and late.error is not None
+            assert "waited 0.3s for room in the NIXL export window" in late.error.message
+            tx.tend()
+            assert tx.figures() == {"kv_export_pages_held": 3, "kv_export_pages_overdue": 3,
+                                    "kv_offers_waiting": 0}  # ... but what decode may be reading stays
+            tid = msgspec.msgpack.decode(header, type=TransferHeader).transfer_id
+            decode.send_multipart([ident, msgspec.msgpack.encode(TransferReply(
+                transfer_id=tid, ok=False, error=TransferTimeout("read over, late").to_info()))])
+            deadline = time.monotonic() + 10
+            while tx.figures()["kv_export_pages_held"] and time.monotonic() < deadline:
+                tx.tend()  # the prefill worker's loop takes late answers
+                time.sleep(0.005)
+            assert tx.figures()["kv_export_pages_held"] == 0
+            third = send("third", (8, 9, 10, 11))  # the whole window is free again: offered at once
+            assert decode.poll(5000)
+            tx.abort(third)
+    finally:
+        decode.close(0)
+        ctx.term()
