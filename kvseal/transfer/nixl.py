@@ -160,6 +160,12 @@ class NixlTransport(ZmqTransport):
         now = time.monotonic()
         for w, offer in self._exports.ready():
             tid = w.handle.transfer_id
+            if isinstance(offer, Exception):
+                log.warning("no NIXL offer of request %r: %s", w.handle.request_id, offer)
+                self._done[tid] = TransferStatus(TransferState.FAILED, WorkerFailed(
+                    f"the KV of request {w.handle.request_id!r} could not be offered over NIXL: "
+                    f"{type(offer).__name__}: {offer}").to_info())
+                continue
             self._post(w.handle, w.manifest, [self._offer_enc.encode(offer)], max(w.deadline - now, 1e-3))
             if tid in self._done:  # never left this process: nobody can read its window pages
                 self._exports.answered(w.handle.endpoint, tid)

@@ -34,9 +34,9 @@ class ExportWindow:
     def __init__(self, agent: Any, pool_k: torch.Tensor, pool_v: torch.Tensor, pages: int) -> None:
         if pages < 1:
             raise ValueError(f"an export window needs at least one page, got {pages}")
-        shape = (pool_k.shape[0], pages, *pool_k.shape[2:])
-        self.k = torch.zeros(shape, dtype=pool_k.dtype)
-        self.v = torch.zeros(shape, dtype=pool_v.dtype)
+        # each side keeps its pool's page shape (the kt layout transposes K inside a page, not V)
+        self.k = torch.zeros((pool_k.shape[0], pages, *pool_k.shape[2:]), dtype=pool_k.dtype)
+        self.v = torch.zeros((pool_v.shape[0], pages, *pool_v.shape[2:]), dtype=pool_v.dtype)
         self.geo: Geometry = geometry(self.k, self.v)
         self._agent = agent
         self._descs = agent.register_memory([self.k, self.v])
@@ -63,9 +63,14 @@ class ExportWindow:
             return None
         self._free[slots] = False
         self.held[transfer_id] = (slots, deadline)
-        dst, src = torch.tensor(slots), torch.tensor(list(page_ids))
-        for win, pool in ((self.k, pool_k), (self.v, pool_v)):
-            win.index_copy_(1, dst, pool.index_select(1, src))
+        try:
+            dst = torch.tensor(slots, dtype=torch.long)
+            src = torch.tensor(list(page_ids), dtype=torch.long)
+            for win, pool in ((self.k, pool_k), (self.v, pool_v)):
+                win.index_copy_(1, dst, pool.index_select(1, src))
+        except Exception:
+            self.give_back(transfer_id)  # nothing was offered from them
+            raise
         return slots
 
     def give_back(self, transfer_id: str) -> int:
@@ -74,7 +79,7 @@ class ExportWindow:
         if entry is None:
             return 0
         slots = entry[0]
-        idx = torch.tensor(slots)
+        idx = torch.tensor(slots, dtype=torch.long)
         self.k.index_fill_(1, idx, 0)
         self.v.index_fill_(1, idx, 0)
         self._free[slots] = True
@@ -136,11 +141,17 @@ class Exports:
             w = self.windows[endpoint] = ExportWindow(self._agent, *self._pools, self._pages)
         return w
 
-    def ready(self) -> Iterator[tuple[Waiting, NixlOffer]]:
-        """Copy every waiting offer that fits now into its window (in order) and yield it with its offer frame."""
+    def ready(self) -> Iterator[tuple[Waiting, NixlOffer | Exception]]:
+        """Copy every waiting offer that fits now into its window (in order) and yield it with its offer frame, or
+        with the error that stopped the copy (nothing of it is held then)."""
         for tid, w in list(self.waiting.items()):
             window = self.windows[w.handle.endpoint]
-            slots = window.take(tid, w.pages.k, w.pages.v, w.pages.page_ids, w.deadline)
+            try:
+                slots = window.take(tid, w.pages.k, w.pages.v, w.pages.page_ids, w.deadline)
+            except Exception as e:  # noqa: BLE001 - fails this offer only
+                del self.waiting[tid]
+                yield w, e
+                continue
             if slots is None:
                 continue
             del self.waiting[tid]

@@ -164,7 +164,11 @@ def test_prefill_keeps_what_it_offered_until_decode_answers_even_after_its_own_t
             assert tx.figures()["kv_export_pages_held"] == 0
             third = send("third", (8, 9, 10, 11))  # the whole window is free again: offered at once
             assert decode.poll(5000)
+            decode.recv_multipart()
             tx.abort(third)
+            empty = send("empty", ())  # no page at all (a peer's fault): offered, nothing held
+            assert decode.poll(5000)
+            tx.abort(empty)
     finally:
         decode.close(0)
         ctx.term()
