@@ -135,7 +135,7 @@ class NixlTransport(ZmqTransport):
         if self._pools is None or self._geo is None:
             raise RuntimeError("NixlTransport.send before register()")
         if not isinstance(payload, PoolPages) or payload.k.data_ptr() != self._geo.k_ptr:
-            raise ValueError("NixlTransport sends pages of its registered pool (PoolPages), not a packed copy")
+            raise ValueError("NixlTransport sends pages of the pool it was given (PoolPages), not a packed copy")
         if self._mutate is not None:
             manifest, mutated = self._mutate(manifest, payload)
             assert isinstance(mutated, PoolPages)

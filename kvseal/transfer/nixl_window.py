@@ -64,10 +64,8 @@ class ExportWindow:
         self._free[slots] = False
         self.held[transfer_id] = (slots, deadline)
         try:
-            dst = torch.tensor(slots, dtype=torch.long)
-            src = torch.tensor(list(page_ids), dtype=torch.long)
             for win, pool in ((self.k, pool_k), (self.v, pool_v)):
-                win.index_copy_(1, dst, pool.index_select(1, src))
+                copy_pages(page_blocks(pool), list(page_ids), page_blocks(win), slots)
         except Exception:
             self.give_back(transfer_id)  # nothing was offered from them
             raise
@@ -79,9 +77,10 @@ class ExportWindow:
         if entry is None:
             return 0
         slots = entry[0]
-        idx = torch.tensor(slots, dtype=torch.long)
-        self.k.index_fill_(1, idx, 0)
-        self.v.index_fill_(1, idx, 0)
+        for win in (self.k, self.v):
+            blocks = page_blocks(win)
+            for start, _, n in _runs(slots, slots):
+                blocks[:, start:start + n].zero_()
         self._free[slots] = True
         return len(slots)
 
@@ -104,6 +103,38 @@ class ExportWindow:
             start = int(runs[0])
             return list(range(start, start + n))
         return [int(i) for i in np.nonzero(self._free)[0][:n]]
+
+
+def page_blocks(pool: torch.Tensor) -> torch.Tensor:
+    """A pool (L, P, ...) as (L, P, words): one (layer, page) block a row of the widest word that divides it."""
+    flat = pool.reshape(pool.shape[0], pool.shape[1], -1).view(torch.uint8)
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if flat.shape[2] % size == 0 and flat.data_ptr() % size == 0:
+            return flat.view(dtype)
+    return flat
+
+
+def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first dst, first src, length) of the stretches where both page lists go up by one."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if out and out[-1][0] + out[-1][2] == d and out[-1][1] + out[-1][2] == s:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((d, s, 1))
+    return out
+
+
+def copy_pages(src: torch.Tensor, src_pages: list[int], dst: torch.Tensor, dst_pages: list[int]) -> None:
+    """dst[:, dst_pages[j]] = src[:, src_pages[j]] for (L, P, words) blocks: a slice copy per run of adjacent
+    pages on both sides (about 5x faster than a gather into a temporary), a gather where pages are scattered."""
+    runs = _runs(src_pages, dst_pages)
+    if len(runs) * 8 <= len(src_pages):
+        for d, s, n in runs:
+            dst[:, d:d + n].copy_(src[:, s:s + n])
+    elif src_pages:
+        idx = torch.tensor(dst_pages, dtype=torch.long)
+        dst.index_copy_(1, idx, src.index_select(1, torch.tensor(src_pages, dtype=torch.long)))
 
 
 @dataclass(slots=True)
