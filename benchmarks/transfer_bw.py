@@ -13,8 +13,9 @@ environment narrows them, e.g. UCX_TLS=cma,tcp on one host).
 Modes, each the whole handoff as the workers run it:
   raw        socket.sendall of the packed bytes -> recv_into one preallocated buffer -> 1-byte ack (the baseline)
   zmq        pack pages + checksums + manifest -> ZeroMQ send -> receive -> verify -> unpack into the pages -> ack
-  nixl       checksums over the pages in place + offer -> decode claims its pages, NIXL READ (UCX, as it picks:
-             shared memory on one host) straight into them -> verify in place -> ack
+  nixl       checksums over the pages in place + offer (the pages copied into the export window for that decode
+             worker, zeroed again at decode's answer) -> decode claims its pages, NIXL READ (UCX, as it picks:
+             shared memory on one host) from the window straight into them -> verify in place -> ack
   nixl-tcp   the same with UCX_TLS=tcp: what crosses hosts that have no RDMA
 and the same moves without the page checksums on either side (what the transport itself costs; the seals
 never run without them): zmq-move (pack, send, unpack), nixl-move, nixl-tcp-move (offer, READ).
@@ -134,7 +135,7 @@ def _receiver(mode: str, shape: Shape, pool_pages: int, reservations: list[bytes
         out.put((rx.listen("tcp://127.0.0.1:0"), getattr(rx, "kv_session", "")))
         for _ in range(len(reservations)):
             arrival = None
-            while arrival is None:
+            while arrival is None or arrival.still_landing:  # past its deadline: its end follows
                 arrival = rx.recv(60, claim)
             res = by_id[arrival.manifest.request_id]
             check = not mode.endswith("-move")

@@ -2,7 +2,8 @@
 
 Rows: role and liveness, pool tokens against the served window, fingerprint, page size, KV dtype, layout,
 kernels/arithmetic, test faults, free and cached pages, requests in flight. Checks: every node agrees and every
-pool holds the window, every worker is reachable and serving, no test faults, and a live probe (one greedy request
+pool holds the window, every worker is reachable and serving, no test faults, no NIXL read past its deadline still
+keeping pages out of a pool (decode) or an export window (prefill), and a live probe (one greedy request
 through every (prefill, decode) pair, `POST /doctor/probe`) gives the same tokens on every pair.
 
 Exit 0: healthy. 1: each problem printed with its fix. 2: the router cannot be reached (or refuses the key).
@@ -67,6 +68,7 @@ def assess(info: dict[str, Any], probes: list[Probe]) -> list[Problem]:
         elif state == "draining":
             out.append(Problem(f"{name} is draining: it takes no new request", "wait for it to leave, and start a "
                                "replacement if its role needs the capacity"))
+        out += _stuck_reads(name, w)
         pool = w.get("pool_tokens")
         if pool is not None and window and int(pool) < window:
             out.append(Problem(f"{name} holds {pool} KV tokens, less than the {window}-token served window",
@@ -104,6 +106,24 @@ def assess(info: dict[str, Any], probes: list[Probe]) -> list[Problem]:
                                f"-> decode {reference.decode} answered {list(reference.tokens)}: greedy tokens must "
                                "be equal on every pair", "compare the pairs' kernels, arithmetic and weights "
                                "(/info); take the odd worker out (kvseal drain) and restart it"))
+    return out
+
+
+def _stuck_reads(name: str, w: dict[str, Any]) -> list[Problem]:
+    """NIXL reads past their deadline keep pages out of a pool until NIXL says they are over (never on a timer)."""
+    out = []
+    reads, pages = int(w.get("kv_reads_overdue") or 0), int(w.get("kv_read_pages_overdue") or 0)
+    if reads:
+        out.append(Problem(f"{name} keeps {pages} KV page(s) out of its pool for {reads} NIXL read(s) past their "
+                           "deadline: their requests ended, but a read still running could land bytes in them",
+                           "check the KV link to the prefill workers (the read ends when it completes or UCX reports "
+                           "the link down); restarting this decode worker (kvseal drain) also ends them"))
+    held = int(w.get("kv_export_pages_overdue") or 0)
+    if held:
+        out.append(Problem(f"{name} keeps {held} export window page(s) for NIXL offers that no decode worker has "
+                           "answered within the transfer timeout: a read of them may still be running",
+                           "check the decode workers and the KV links; the pages are freed at decode's answer, "
+                           "or when this prefill worker restarts"))
     return out
 
 

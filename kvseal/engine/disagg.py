@@ -40,6 +40,7 @@ from kvseal.transfer.manifest import (
     verify,
     verify_identity,
     verify_landed,
+    verify_names,
 )
 
 
@@ -136,7 +137,7 @@ class DecodeEngine(Engine):
         already used) is refused and changes nothing. `check=False` exists only for the test-only incident
         fault."""
         rid = manifest.request_id
-        seq, res = self._take_reservation(rid)
+        seq, res = self._take_reservation(manifest, check)
         try:
             if check:
                 verify(manifest, res, payload, expected_fingerprint=self.fingerprint,
@@ -157,7 +158,7 @@ class DecodeEngine(Engine):
         KV byte first (a manifest that does not name this reservation moves nothing; on a mismatch the request
         FAILS), then the pages are pinned until `accept_landed` or `landing_failed`. Returns them."""
         rid = manifest.request_id
-        seq, res = self._take_reservation(rid)
+        seq, res = self._take_reservation(manifest, check)
         try:
             if check:
                 verify_identity(manifest, res, expected_fingerprint=self.fingerprint,
@@ -196,13 +197,19 @@ class DecodeEngine(Engine):
         if self._end_landing(request_id) is not None:
             self.release(request_id, error, rejected=False)
 
-    def _take_reservation(self, rid: str) -> tuple[Sequence, Reservation]:
+    def _take_reservation(self, manifest: KVManifest, check: bool) -> tuple[Sequence, Reservation]:
+        """The live reservation the arrival names, consumed. An arrival that does not name it (wrong reservation
+        id or nonce: not from the prefill worker the router chose) is refused and changes nothing: the request
+        keeps waiting for its own KV."""
+        rid = manifest.request_id
         res = self.reservations.get(rid)
         entry = self.reserved.get(rid)
         if res is None or entry is None or entry[0].life.state is not State.RESERVED:
             err = TransferVerificationFailed(f"KV arrived for request {rid!r}, which holds no reservation here")
             err.field = "reservation"
             raise err
+        if check:
+            verify_names(manifest, res)
         self.reservations.pop(rid, None)  # one arrival per reservation: a second one finds nothing
         entry[0].life.advance(State.TRANSFERRING)
         return entry[0], res

@@ -11,6 +11,13 @@ worker observes as things happen (queue time, KV transfer time). Served on the w
     kvseal:kv_transfers_total{result}           acked / refused
     kvseal:kv_transfer_seconds                  prefill: sending a handoff to decode's acknowledgement
     kvseal:prefix_cache_hit_tokens_total, kvseal:cached_pages, kvseal:frames_refused_total, kvseal:worker_info
+    kvseal:kv_reads_in_flight, _reads_overdue, _read_pages_overdue, _quarantined_pages   gauges (decode, NIXL):
+                                                reads whose pages are claimed, those past their deadline and their
+                                                pages, pages of ended requests kept out of the pool until their
+                                                read is over
+    kvseal:kv_export_pages_held, _export_pages_overdue, _offers_waiting   gauges (prefill, NIXL): export window
+                                                pages holding offered KV until decode answers, those whose answer
+                                                is past due, offers waiting for room
 """
 
 from __future__ import annotations
@@ -28,13 +35,26 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
 
 
+KV_FIGURES = {  # Transport.figures() (and decode's quarantine) exported as gauges
+    "kv_reads_in_flight": "NIXL reads whose claimed pages may still receive bytes",
+    "kv_reads_overdue": "NIXL reads past their deadline and still running (their requests ended)",
+    "kv_read_pages_overdue": "Pages claimed by NIXL reads past their deadline, out of the pool until the read ends",
+    "kv_quarantined_pages": "Pages of ended requests kept out of the pool until their NIXL read is over",
+    "kv_export_pages_held": "Export window pages holding offered KV until decode answers",
+    "kv_export_pages_overdue": "Export window pages whose decode answer is past the transfer timeout",
+    "kv_offers_waiting": "NIXL offers waiting for room in their decode worker's export window",
+}
+
+
 class EngineCollector(Collector):
     """Reads `engine` (and the worker's `counters`, `queued()`, `verification_failures`) at each scrape."""
 
     def __init__(self, engine: Engine, counters: dict[str, int] | None = None,
                  verification_failures: dict[str, int] | None = None, queued: Callable[[], int] = lambda: 0,
-                 labels: dict[str, str] | None = None) -> None:
+                 labels: dict[str, str] | None = None,
+                 kv_figures: Callable[[], dict[str, int]] = dict) -> None:
         self.engine = engine
+        self.kv_figures = kv_figures
         self.counters = counters if counters is not None else {}
         self.verification_failures = verification_failures if verification_failures is not None else {}
         self.queued = queued
@@ -77,6 +97,10 @@ class EngineCollector(Collector):
                                   value=c.get("frames_refused", 0))
         yield CounterMetricFamily("kvseal:requests_received", "Requests this worker received",
                                   value=c.get("requests_received", 0))
+        figures = self.kv_figures()
+        for key, doc in KV_FIGURES.items():
+            if key in figures:
+                yield GaugeMetricFamily(f"kvseal:{key}", doc, value=figures[key])
         info = InfoMetricFamily("kvseal:worker", "What this worker is (the fleet check compares these)")
         info.add_metric([], self.identity)
         yield info

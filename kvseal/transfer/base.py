@@ -12,7 +12,11 @@ arrival carries that `payload`, which the receiver verifies and only then copies
 in-place one (`staged = False`, NIXL) moves the bytes straight into the reserved pages: before a byte moves it
 asks `claim(manifest)` for them (the receiver checks the manifest's identity against its reservation and pins
 the pages: they cannot expire or be freed while bytes may land), and its arrival says the bytes `landed` there,
-or carries the `error` that stopped them (the receiver then scrubs and frees the claimed pages).
+or carries the `error` that stopped them (the receiver then scrubs and frees the claimed pages). A read that
+outlives its deadline first gives an error arrival with `still_landing` set: the receiver ends the request then
+(the client is not held hostage) but keeps the pages claimed and does not answer; a second arrival for the same
+transfer follows once the transport knows that nothing can land any more, however long that takes, and only that
+one frees the pages and is answered (the sender keeps what it offered until that answer).
 
 Threading: an instance, and every Arrival it returns, is used from one thread only (the thread that first
 uses it); other threads get RuntimeError. Run one instance per thread if you need several.
@@ -72,19 +76,25 @@ class Arrival:
     """One received transfer. Verify it, then answer exactly once with reply().
 
     Exactly one of: `payload` (a staged copy, not yet in any page), `landed` (the bytes are in the claimed
-    pages; nothing more can land there) or `error` (the claimed pages' bytes did not all arrive)."""
+    pages; nothing more can land there) or `error` (the claimed pages' bytes did not all arrive). With an error,
+    `still_landing` says that bytes may still land in the claimed pages (a read past its deadline): end the
+    request, keep the pages, do not answer; the arrival that ends the landing follows."""
 
     def __init__(self, transfer_id: str, manifest: KVManifest, payload: PagePayload | None,
                  reply_fn: Callable[[bool, ErrorInfo | None], bool], *, landed: PoolPages | None = None,
-                 error: ErrorInfo | None = None) -> None:
+                 error: ErrorInfo | None = None, still_landing: bool = False) -> None:
         if (payload is not None) + (landed is not None) + (error is not None) != 1:
             raise ValueError("an Arrival carries exactly one of payload, landed or error")
+        if still_landing and error is None:
+            raise ValueError("only an error arrival can say that bytes are still landing")
         self.transfer_id, self.manifest, self.payload = transfer_id, manifest, payload
-        self.landed, self.error = landed, error
+        self.landed, self.error, self.still_landing = landed, error, still_landing
         self._reply_fn: Callable[[bool, ErrorInfo | None], bool] | None = reply_fn
 
     def reply(self, ok: bool, error: ErrorInfo | None = None) -> bool:
         """Ack (ok) or nack (with the error that ends the request). False if the sender is gone."""
+        if self.still_landing:
+            raise RuntimeError(f"transfer {self.transfer_id} is still landing: answer the arrival that ends it")
         if self._reply_fn is None:
             raise RuntimeError(f"transfer {self.transfer_id} was already answered")
         if ok == (error is not None):
@@ -144,6 +154,14 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release sockets; pending transfers are dropped."""
+
+    def tend(self) -> None:
+        """Sender housekeeping, once per worker loop turn: take late answers that release what was offered."""
+
+    def figures(self) -> dict[str, int]:
+        """What the transport holds now, for /info and /metrics (an in-place transport: reads in flight or past
+        their deadline, pages they keep, offered pages kept until the receiver answers)."""
+        return {}
 
     def __enter__(self) -> Self:
         return self

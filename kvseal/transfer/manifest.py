@@ -337,10 +337,7 @@ def verify_identity(manifest: KVManifest, reservation: Reservation, *, expected_
     moves nothing."""
     m, r = manifest, reservation
     _same(m, "manifest schema version", SCHEMA_VERSION, m.v)
-    _same(m, "request_id", r.request_id, m.request_id)
-    _same(m, "reservation_id", r.reservation_id, m.reservation_id)
-    if not hmac.compare_digest(r.nonce.encode(), m.nonce.encode()):
-        raise _fail(m, "nonce", r.nonce, m.nonce)
+    verify_names(m, r)
     _same(m, "model_fingerprint (reservation vs this worker)", expected_fingerprint, r.model_fingerprint)
     _same(m, "model_fingerprint", expected_fingerprint, m.model_fingerprint)
     _same(m, "page_size", r.page_size, m.page_size)
@@ -356,6 +353,20 @@ def verify_identity(manifest: KVManifest, reservation: Reservation, *, expected_
     _same(m, "first_checksum", first_token_checksum(m.first_token, m.first_logprob, m.first_top), m.first_checksum)
     if vocab_size is not None:
         _check_first_token(m, vocab_size, logprobs)
+
+
+def verify_names(manifest: KVManifest, reservation: Reservation) -> None:
+    """The arrival names this reservation: request id, reservation id and nonce. Whoever sends one that does not
+    may not be the prefill worker the router chose, so the error says which field differs but never the
+    reservation's value (a nack carries it back to the sender: it must not teach a forger the nonce)."""
+    m, r = manifest, reservation
+    _same(m, "request_id", r.request_id, m.request_id)
+    for field, want, got in (("reservation_id", r.reservation_id, m.reservation_id), ("nonce", r.nonce, m.nonce)):
+        if not hmac.compare_digest(want.encode(), got.encode()):
+            err = TransferVerificationFailed(f"KV transfer for request {m.request_id!r} failed verification: "
+                                             f"{field}: the arrival does not name this request's reservation")
+            err.field = field
+            raise err
 
 
 def verify_landed(manifest: KVManifest, reservation: Reservation, landed: PoolPages) -> None:

@@ -156,6 +156,12 @@ class ZmqTransport(Transport):
         handle = TransferHandle(secrets.token_hex(8), endpoint, manifest.request_id)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         manifest, frames = self._outgoing(handle, manifest, payload, timeout)
+        self._post(handle, manifest, frames, timeout)
+        return handle
+
+    def _post(self, handle: TransferHandle, manifest: KVManifest, frames: list[Frame], timeout: float) -> None:
+        """Put [header, *frames] on the wire to handle.endpoint: PENDING until answered, or FAILED at once."""
+        endpoint = handle.endpoint
         header = self._enc.encode(TransferHeader(transfer_id=handle.transfer_id, manifest=manifest))
         try:
             sock = self._dealer(endpoint, server_key, session)
@@ -172,7 +178,6 @@ class ZmqTransport(Transport):
                 f"KV transfer of request {manifest.request_id!r} to {endpoint} could not be sent: {e}")
         else:
             self._pending[handle.transfer_id] = _Pending(handle, time.monotonic() + timeout, timeout)
-        return handle
 
     def _outgoing(self, handle: TransferHandle, manifest: KVManifest, payload: Source,
                   timeout_s: float) -> tuple[KVManifest, list[Frame]]:
@@ -183,6 +188,9 @@ class ZmqTransport(Transport):
             manifest, payload = self._mutate(manifest, payload)
         assert isinstance(payload, PagePayload)
         return manifest, [payload.k.numpy().data, payload.v.numpy().data]
+
+    def _answered(self, endpoint: str, transfer_id: str) -> None:
+        """The receiver at `endpoint` answered `transfer_id` (in time or late): it is done with what was offered."""
 
     def poll(self, handle: TransferHandle) -> TransferStatus:
         self._own()
@@ -223,6 +231,7 @@ class ZmqTransport(Transport):
             if reply is None:
                 log.warning("dropping a malformed transfer reply from %s", endpoint)
                 continue
+            self._answered(endpoint, reply.transfer_id)
             pending = self._pending.pop(reply.transfer_id, None)
             if pending is None:
                 continue  # aborted or timed out: a late answer changes nothing

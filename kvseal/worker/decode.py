@@ -66,8 +66,12 @@ class DecodeWorker(WorkerServer):
                 "kv_channel": ("mac" if getattr(self.transport, "kv_session", "") else "curve") if self.keys
                 else "plain",
                 "kv_landing": len(self.dengine.landing), "kv_quarantined": len(self.dengine.quarantined),
-                "reservations": len(self.dengine.reserved),
+                **self.kv_figures(), "reservations": len(self.dengine.reserved),
                 "reservations_queued": len(self.queue), "reservation_timeout_s": self.reservation_timeout_s}
+
+    def kv_figures(self) -> dict[str, int]:
+        return {"kv_quarantined_pages": sum(len(s.pages) for s in self.dengine.quarantined.values()),
+                **self.transport.figures()}
 
     def handle(self, ident: bytes, msg: P.Message) -> None:
         match msg:
@@ -149,11 +153,22 @@ class DecodeWorker(WorkerServer):
 
     def _arrive(self, a: Arrival) -> None:
         rid = a.manifest.request_id
+        if a.still_landing:  # past its deadline, the read still runs: the request ends, its pages stay claimed
+            assert a.error is not None
+            log.warning("KV of %r is late: %s", rid, a.error.message)
+            self.dengine.fail(rid, KvsealError.from_info(a.error))
+            return
         if a.error is not None:  # the claimed pages' bytes did not all land: scrubbed and freed, request FAILED
             log.warning("KV of %r did not arrive: %s", rid, a.error.message)
             self.dengine.landing_failed(rid, KvsealError.from_info(a.error))
             self.counters["transfers_refused"] += 1
             a.reply(False, a.error)
+            return
+        if a.landed is not None and rid in self.dengine.quarantined:  # ended while landing: nothing to verify
+            self.dengine.landing_failed(rid, WorkerFailed(f"request {rid!r} ended while its KV was landing"))
+            self.counters["transfers_refused"] += 1
+            a.reply(False, WorkerFailed(f"request {rid!r} ended on the decode worker while its KV was landing; "
+                                        f"its pages were scrubbed and freed").to_info())
             return
         self.counters["kv_bytes_received"] += (a.payload or a.landed).nbytes  # type: ignore[union-attr]
 

@@ -16,6 +16,7 @@ from kvseal.engine.disagg import Handoff, PrefillEngine
 from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import InvalidRequest, KvsealError, WorkerFailed
 from kvseal.hooks import Hooks
+from kvseal.kv.allocator import pages_for
 from kvseal.transfer.base import TransferHandle, TransferState, create_transport
 from kvseal.transfer.manifest import Reservation
 from kvseal.worker import protocol as P
@@ -44,13 +45,19 @@ class PrefillWorker(WorkerServer):
         self.pengine = engine
         self.kv_transport = kv_transport
         mutate = self.hooks.outgoing_kv if hooks.spec else None
-        self.transport = create_transport(kv_transport, timeout_s=transfer_timeout_s, mutate=mutate, keys=keys)
+        # NIXL: each decode worker reads from an export window of its own, never from the pool (transfer/nixl.py)
+        extra = {"export_pages": export_pages(engine)} if kv_transport == "nixl" else {}
+        self.transport = create_transport(kv_transport, timeout_s=transfer_timeout_s, mutate=mutate, keys=keys,
+                                          **extra)
         self.transport.register(engine.pool.k, engine.pool.v)
         self.jobs: dict[str, _Job] = {}
         self._held: list[tuple[float, Handoff]] = []  # handoffs a hook holds back (hold_handoff_s)
 
     def info(self) -> dict[str, object]:
-        return {**super().info(), "kv_transport": self.kv_transport}
+        return {**super().info(), "kv_transport": self.kv_transport, **self.kv_figures()}
+
+    def kv_figures(self) -> dict[str, int]:
+        return self.transport.figures()
 
     def handle(self, ident: bytes, msg: P.Message) -> None:
         # While draining, a PrefillReq is still taken: it continues a request the router already started (its
@@ -103,6 +110,7 @@ class PrefillWorker(WorkerServer):
                 self._answer(d.request_id, d.final, KvsealError.from_info(d.error))
 
     def pump(self) -> None:
+        self.transport.tend()  # late answers from decode release the pages it was offered
         now = time.monotonic()
         ready = self.pengine.take_ready()
         for h in ready:
@@ -157,3 +165,11 @@ class PrefillWorker(WorkerServer):
     def close(self) -> None:
         self.transport.close()
         super().close()
+
+
+def export_pages(engine: PrefillEngine) -> int:
+    """Pages of the NIXL export window for each decode worker: room for two prompts of the whole context window,
+    or a quarter of the pool if that is more, never more than the pool. An offer that finds it full waits for
+    decode's answers (up to the transfer timeout); memory: this many pages per decode worker, beside the pool."""
+    pool = engine.pool.num_pages
+    return min(pool, max(2 * pages_for(engine.context_window, engine.pool.page_size), pool // 4))

@@ -79,7 +79,8 @@ class WorkerServer:
         self.verification_failures: dict[str, int] = {}  # decode: refused handoffs by manifest field (seal 4)
         self.metrics = WorkerMetrics(EngineCollector(engine, self.counters, self.verification_failures,
                                                      self.queued, {"test_faults": hooks.spec,
-                                                                   "endpoint": self.endpoint}))
+                                                                   "endpoint": self.endpoint},
+                                                     kv_figures=self.kv_figures))
 
     # -- plumbing ---------------------------------------------------------------------------------------
     def send(self, ident: bytes, msg: P.Message) -> None:
@@ -104,6 +105,10 @@ class WorkerServer:
     def queued(self) -> int:
         """Requests waiting outside the engine (decode: reservations waiting for pages)."""
         return 0
+
+    def kv_figures(self) -> dict[str, int]:
+        """What the KV transport holds now (reads past their deadline, pages kept for them), see metrics/engine."""
+        return {}
 
     def stop(self, *_: object) -> None:
         self._drain_asked = "SIGTERM"  # a signal handler only sets a flag; the loop drains (sockets are not reentrant)

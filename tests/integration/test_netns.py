@@ -311,9 +311,10 @@ def test_cut_kv_link_fails_cleanly_and_recovers(fleet: Fleet) -> None:
 @pytest.mark.parametrize("fleet", ["nixl"], indirect=True)  # the read is decode's only with NIXL
 def test_nixl_link_cut_while_decode_reads_fails_cleanly_and_releases_the_pinned_pages(fleet: Fleet) -> None:
     """NIXL only: the KV link is cut while decode's READ is in flight (the link slowed to 40 Mbit/s so the read
-    of ~200 tokens takes a couple of seconds). Decode's pages stay pinned while bytes may land, its read is
-    cancelled at its deadline, then the pages are scrubbed and freed: the client gets a clean 502/504, nothing is
-    admitted, and both pools are back at baseline."""
+    of ~200 tokens takes a couple of seconds). At the read's deadline the request ends (the client gets a clean
+    502/504 while the link is still down), but decode's pages stay pinned, reported as a read past its deadline,
+    until UCX reports the read failed; only then are they scrubbed and freed: nothing is admitted, and both pools
+    are back at baseline with the link still down."""
     w = fleet.workers()
     assert w["decode"]["kv_transport"] == "nixl"
     h = fleet.hosts
@@ -338,16 +339,28 @@ def test_nixl_link_cut_while_decode_reads_fails_cleanly_and_releases_the_pinned_
                    "decode's NIXL read in flight")
         assert not result, f"the request ended before its read was in flight: {result}"
         h.in_ns("prefill", "ip", "link", "set", dev, "down")
-        client.join(120)
+        overdue_seen = 0
+        deadline = time.monotonic() + 120
+        while client.is_alive() and time.monotonic() < deadline:
+            overdue_seen = max(overdue_seen, fleet.workers()["decode"].get("kv_reads_overdue", 0))
+            time.sleep(0.3)
+        client.join(1)
         assert not client.is_alive() and "exc" not in result, result
         r: httpx.Response = result["r"]
         assert r.status_code in (502, 504), f"{r.status_code}: {r.text[:500]}"
         err = r.json()["error"]
         assert err["code"] in ("transfer_timeout", "worker_failed"), err
-        wait_until(lambda: fleet.at_baseline() is True, 60, "pools back to baseline with the link down")
+        def watch() -> bool:
+            nonlocal overdue_seen
+            overdue_seen = max(overdue_seen, fleet.workers()["decode"].get("kv_reads_overdue", 0))
+            return fleet.at_baseline() is True
+
+        wait_until(watch, 90, "pools back to baseline with the link down (UCX reports the read failed)")
         after = fleet.worker_info_fresh()
         assert after["decode"]["transfers_acked"] == before["decode"]["transfers_acked"]  # nothing admitted
         assert after["decode"]["kv_landing"] == 0 and after["decode"]["kv_quarantined"] == 0
+        assert after["decode"]["kv_reads_in_flight"] == 0 and after["decode"]["kv_reads_overdue"] == 0
+        assert overdue_seen >= 1, "the read outlived its deadline, but /info never reported it"
     finally:
         h.in_ns("prefill", "ip", "link", "set", dev, "up")
         h.in_ns("prefill", "tc", "qdisc", "del", "dev", dev, "root", check=False)

@@ -53,6 +53,9 @@ def _bad(i: int, **kw: Any) -> dict[str, Any]:
     (_bad(1, arithmetic="exact/native"), "disagree on arithmetic", "fleet's arithmetic"),
     (_bad(2, test_faults="incident"), "test-only faults are on", "without --test-faults"),
     (_bad(2, state="draining"), "is draining", "replacement"),
+    (_bad(2, kv_reads_overdue=1, kv_read_pages_overdue=3), "keeps 3 KV page(s) out of its pool for 1 NIXL read(s)",
+     "check the KV link"),
+    (_bad(0, kv_export_pages_overdue=2), "keeps 2 export window page(s)", "freed at decode's answer"),
 ])
 def test_each_kind_of_bad_fleet_is_named_with_its_fix(info: dict[str, Any], what: str, fix: str) -> None:
     problems = assess(info, probes(info))

@@ -63,14 +63,28 @@ def test_landed_kv_is_verified_in_place_and_admitted() -> None:
     assert _baseline(d)
 
 
-@pytest.mark.parametrize("tamper", ["nonce", "reservation_id", "num_tokens"])
-def test_a_claim_that_does_not_name_the_reservation_is_refused_before_a_byte_lands(tamper: str) -> None:
+@pytest.mark.parametrize("tamper", ["nonce", "reservation_id"])
+def test_a_claim_that_does_not_name_the_reservation_moves_nothing_and_harms_nothing(tamper: str) -> None:
+    """Not from the prefill worker the router chose: refused before a byte may land, and the live request keeps its
+    reservation; the genuine arrival is then served."""
+    p, d = _engines()
+    m, src, res = _offer(p, d, "t")
+    bad = msgspec.structs.replace(m, **{"nonce": {"nonce": "0" * 32}, "reservation_id": {"reservation_id": "x"}}[tamper])
+    with pytest.raises(TransferVerificationFailed, match=tamper) as e:
+        d.claim(bad)
+    assert res.nonce not in e.value.message and res.reservation_id not in e.value.message  # nothing to learn
+    assert d.seqs["t"].life.state is State.RESERVED and not d.landing and d.reservations["t"] == res
+    pages = d.claim(m)  # the real one
+    _land(d, src, pages)
+    d.accept_landed(m)
+    assert d.seqs["t"].life.state in (State.VERIFIED, State.DECODING)
+
+
+def test_a_claim_that_names_the_reservation_but_does_not_match_it_fails_the_request() -> None:
     p, d = _engines()
     m, _, _ = _offer(p, d, "t")
-    bad = msgspec.structs.replace(m, **{"nonce": {"nonce": "0" * 32}, "reservation_id": {"reservation_id": "x"},
-                                        "num_tokens": {"num_tokens": m.num_tokens - 1}}[tamper])
-    with pytest.raises(TransferVerificationFailed, match=tamper):
-        d.claim(bad)
+    with pytest.raises(TransferVerificationFailed, match="num_tokens"):
+        d.claim(msgspec.structs.replace(m, num_tokens=m.num_tokens - 1))
     assert "t" not in d.seqs and _baseline(d)  # the request failed, its pages are free (and zero)
     assert not d.pool.k.any() and not d.pool.v.any()
     with pytest.raises(TransferVerificationFailed, match="holds no reservation"):

@@ -44,3 +44,12 @@ def test_the_dashboard_queries_only_exported_metrics(tiny: Checkpoint) -> None:
     exprs += [v["query"] for v in dash["templating"]["list"]]
     used = {m for e in exprs for m in re.findall(r"kvseal:[a-z0-9_]+", e)}
     assert len(used) >= 20 and used <= names, used - names
+
+
+def test_what_the_kv_transport_holds_is_exported(tiny: Checkpoint) -> None:
+    """The NIXL figures of /info (reads past their deadline, the pages they keep, export window pages) as gauges."""
+    figures = {"kv_reads_in_flight": 2, "kv_reads_overdue": 1, "kv_read_pages_overdue": 3, "kv_quarantined_pages": 3,
+               "kv_export_pages_held": 5, "kv_export_pages_overdue": 4, "kv_offers_waiting": 1}
+    worker = WorkerMetrics(EngineCollector(make_engine(tiny), kv_figures=lambda: figures))
+    samples = {s.name: s.value for fam in worker.registry.collect() for s in fam.samples}
+    assert {f"kvseal:{k}": float(v) for k, v in figures.items()}.items() <= samples.items()
