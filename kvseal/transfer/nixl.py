@@ -106,6 +106,7 @@ class NixlTransport(ZmqTransport):
         self._geo: Geometry | None = None
         self._export_pages = export_pages
         self._exports: Exports | None = None  # a sender's export windows, made at its first send
+        self._creds: dict[str, tuple[str | None, str | None]] = {}  # endpoint -> (its fleet key, KV session)
         self._registered = False  # the pool, with NIXL: only a receiver's, which reads into it
         self._local: Any = None  # this pool's prepared block list (receiver)
         self._peers: dict[str, tuple[Any, Geometry]] = {}  # agent -> its window's prepared block list, geometry
@@ -132,8 +133,10 @@ class NixlTransport(ZmqTransport):
 
     # -- sender -----------------------------------------------------------------------------------------
     def send(self, endpoint: str, manifest: KVManifest, payload: PagePayload | PoolPages, *,
-             timeout_s: float | None = None) -> TransferHandle:
+             timeout_s: float | None = None, server_key: str | None = None,
+             session: str | None = None) -> TransferHandle:
         self._own()
+        self._creds[endpoint] = (server_key, session)  # the offer may wait for window pages: _offer_ready posts it
         if self._pools is None or self._geo is None:
             raise RuntimeError("NixlTransport.send before register()")
         if not isinstance(payload, PoolPages) or payload.k.data_ptr() != self._geo.k_ptr:
@@ -168,7 +171,8 @@ class NixlTransport(ZmqTransport):
                     f"the KV of request {w.handle.request_id!r} could not be offered over NIXL: "
                     f"{type(offer).__name__}: {offer}").to_info())
                 continue
-            self._post(w.handle, w.manifest, [self._offer_enc.encode(offer)], max(w.deadline - now, 1e-3))
+            self._post(w.handle, w.manifest, [self._offer_enc.encode(offer)], max(w.deadline - now, 1e-3),
+                       *self._creds.get(w.handle.endpoint, (None, None)))
             if tid in self._done:  # never left this process: nobody can read its window pages
                 self._exports.answered(w.handle.endpoint, tid)
 

@@ -156,10 +156,11 @@ class ZmqTransport(Transport):
         handle = TransferHandle(secrets.token_hex(8), endpoint, manifest.request_id)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         manifest, frames = self._outgoing(handle, manifest, payload, timeout)
-        self._post(handle, manifest, frames, timeout)
+        self._post(handle, manifest, frames, timeout, server_key, session)
         return handle
 
-    def _post(self, handle: TransferHandle, manifest: KVManifest, frames: list[Frame], timeout: float) -> None:
+    def _post(self, handle: TransferHandle, manifest: KVManifest, frames: list[Frame], timeout: float,
+              server_key: str | None, session: str | None) -> None:
         """Put [header, *frames] on the wire to handle.endpoint: PENDING until answered, or FAILED at once."""
         endpoint = handle.endpoint
         header = self._enc.encode(TransferHeader(transfer_id=handle.transfer_id, manifest=manifest))
