@@ -123,6 +123,9 @@ def load() -> ctypes.CDLL:
     lib.kvs_qpack.argtypes, lib.kvs_qpack.restype = [i32, ptr, i64, i64, ptr], i32
     lib.kvs_qlinear.argtypes, lib.kvs_qlinear.restype = [i32, ptr, i64, i64, ptr, i64, ptr], i32
     lib.kvs_qisa.argtypes, lib.kvs_qisa.restype = [], i32
+    lib.kvs_qisa_have.argtypes, lib.kvs_qisa_have.restype = [], i32
+    lib.kvs_qisa_pick.argtypes, lib.kvs_qisa_pick.restype = [i32, i32], i32
+    lib.kvs_qisa_refused.argtypes, lib.kvs_qisa_refused.restype = [], i32
     lib.kvs_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, i64, ptr, i64, f32,
                                         ptr]
     lib.kvs_paged_attention.restype = i32
