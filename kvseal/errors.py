@@ -23,6 +23,15 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     param: str | None = None
 
 
+PEER_BAD_STATUS = 502  # an error from a peer whose status is not an HTTP error status (a 200): the peer is at fault
+OWN_BAD_STATUS = 500  # the same from this process's own code
+
+
+def http_error_status(status: int, fallback: int) -> int:
+    """`status` when it is an HTTP error status (400-599), else `fallback`: any error maps to a non-2xx."""
+    return status if 400 <= status <= 599 else fallback
+
+
 class KvsealError(Exception):
     status: int = 500
     type: str = "internal_error"
@@ -45,8 +54,9 @@ class KvsealError(Exception):
     def from_info(info: ErrorInfo) -> KvsealError:
         cls = _REGISTRY.get(info.kind, KvsealError)
         err = cls(info.message, param=info.param, code=info.code)
-        # Keep the original status/type even for an unknown kind from a newer peer.
-        err.status, err.type = info.status, info.type
+        # Keep the original status/type even for an unknown kind from a newer peer; but an error is never a
+        # success: a peer that sends one with a status outside 400-599 is itself at fault (502).
+        err.status, err.type = http_error_status(info.status, PEER_BAD_STATUS), info.type
         return err
 
     def __repr__(self) -> str:

@@ -363,8 +363,9 @@ static attend_fn chosen_attend(void) {
     static attend_fn fn = NULL;
     if (!fn) { /* KVSEAL_QISA=1 or 2 (tests) runs the 256-bit body on a CPU with AVX-512: the results are the same */
         const char *force = getenv("KVSEAL_QISA");
-        fn = __builtin_cpu_supports("avx512f") && !(force && *force && atoi(force) < 3) ? z_attend_tile
-                                                                                         : y_attend_tile;
+        const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512dq"); /* each feature z_attend_tile is compiled for */
+        fn = avx512 && !(force && *force && atoi(force) < 3) ? z_attend_tile : y_attend_tile;
     }
     return fn;
 }

@@ -129,6 +129,9 @@ def load() -> ctypes.CDLL:
     lib.kvs_qscratch_bytes.argtypes, lib.kvs_qscratch_bytes.restype = [i64, i64], i64
     lib.kvs_gemm_mat.argtypes, lib.kvs_gemm_mat.restype = [ptr, i64, ptr, i64, ptr], i32
     lib.kvs_qisa.argtypes, lib.kvs_qisa.restype = [], i32
+    lib.kvs_qisa_have.argtypes, lib.kvs_qisa_have.restype = [], i32
+    lib.kvs_qisa_pick.argtypes, lib.kvs_qisa_pick.restype = [i32, i32], i32
+    lib.kvs_qisa_refused.argtypes, lib.kvs_qisa_refused.restype = [], i32
     lib.kvs_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, i64, ptr, i64, f32,
                                         ptr]
     lib.kvs_paged_attention.restype = i32

@@ -10,6 +10,7 @@ differs from the dense one only in summation order (a relative ~1e-6 in the logi
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -335,8 +336,23 @@ QISA_NAMES = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2"}
 
 
 def qisa() -> str:
-    """The instruction set kvs_qlinear dispatches to on this CPU (every one gives the same bits)."""
+    """The instruction set kvs_qlinear dispatches to on this CPU (every one gives the same bits). KVSEAL_QISA
+    (1, 2 or 3: a lower path on a CPU that has a higher one) naming a set this CPU lacks is a RuntimeError: the
+    kernels never run it (no SIGILL), and nothing runs on another set than the one asked for without saying so."""
+    refused = lib().kvs_qisa_refused()
+    if refused:
+        have = ", ".join(QISA_NAMES[i] for i in qisa_available())
+        asked = f"{QISA_NAMES[refused]}, which this CPU lacks" if refused in QISA_NAMES else "no instruction set"
+        raise RuntimeError(f"KVSEAL_QISA={os.environ.get('KVSEAL_QISA', '')!r} asks for {asked} (it has: {have}). "
+                           f"Fix: unset KVSEAL_QISA, or set it to one of " +
+                           ", ".join(f"{i} ({QISA_NAMES[i]})" for i in qisa_available()))
     return QISA_NAMES[lib().kvs_qisa()]
+
+
+def qisa_available() -> list[int]:
+    """The integer instruction sets this CPU has (1 avx2, 2 avx-vnni, 3 avx512-vnni), each checked on its own."""
+    have = lib().kvs_qisa_have()
+    return [i for i in QISA_NAMES if (have >> i) & 1][::-1]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

@@ -9,7 +9,9 @@
  *                      one quantization of x, one parallel pass over all their tiles. Float segments are multiplied
  *                      as stored by the exact kernel (kvs_gemm_ld: float32 FMA, also batch invariant).
  *  kvs_qlinear         one segment, scratch of its own.
- *  kvs_qisa            which instruction set the dispatcher picked (3 avx512-vnni, 2 avx-vnni, 1 avx2)
+ *  kvs_qisa            which instruction set the dispatcher picked (3 avx512-vnni, 2 avx-vnni, 1 avx2); each set
+ *                      is checked on its own (kvs_qisa_have, kvs_qisa_pick), and KVSEAL_QISA naming one the CPU
+ *                      lacks is refused (kvs_qisa_refused), never run
  *
  * Invariant (batch invariance): an element y[m, n] is computed by one thread, from row m of x and column n of
  * W only, with the same float operations in the same order whatever M is, whichever rows share the call, and
@@ -216,21 +218,45 @@ static void quantize_row(const float *x, int64_t K, int8_t *qx, float *dx, int32
 #include "qtile.h"
 #pragma GCC pop_options
 
+/* The integer instruction sets this CPU has, as a mask: bit 1 AVX2 (the library's baseline), bit 2 AVX-VNNI, bit 3
+   AVX-512-VNNI (with the F, BW and VL parts the AVX-512 tiles use). They are independent features, not a ladder:
+   Zen 4, Ice Lake and Cascade Lake have AVX-512-VNNI but no AVX-VNNI; Alder Lake has AVX-VNNI but no AVX-512. */
+int kvs_qisa_have(void) {
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return (avx2 << 1) | ((avx2 && __builtin_cpu_supports("avxvnni")) << 2) | (avx512 << 3);
+}
+
+/* The set to run for a CPU with sets `have` (kvs_qisa_have's mask) when `forced` (KVSEAL_QISA; 0: none) asks for
+   one: the forced one only if the CPU has it, else the best it has. Each set is checked on its own. */
+int kvs_qisa_pick(int have, int forced) {
+    if (forced >= 1 && forced <= 3 && ((have >> forced) & 1)) return forced;
+    return (have >> 3) & 1 ? 3 : (have >> 2) & 1 ? 2 : 1;
+}
+
+static int qisa_forced(void) { /* KVSEAL_QISA (tests: a lower path on a CPU that has a higher one); 0: unset,
+                                  -1: not one of 1, 2, 3 */
+    const char *force = getenv("KVSEAL_QISA");
+    if (!force || !*force) return 0;
+    return (force[0] >= '1' && force[0] <= '3' && !force[1]) ? force[0] - '0' : -1;
+}
+
 static int chosen_isa(void) {
     static int isa = 0;
-    if (!isa) {
-        __builtin_cpu_init();
-        const char *force = getenv("KVSEAL_QISA"); /* tests: run a lower path on a CPU that has a higher one */
-        int best = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") ? 3
-                   : __builtin_cpu_supports("avxvnni")                                         ? 2
-                                                                                               : 1;
-        int want = force && *force ? atoi(force) : best;
-        isa = want >= 1 && want <= best ? want : best;
-    }
+    if (!isa) isa = kvs_qisa_pick(kvs_qisa_have(), qisa_forced());
     return isa;
 }
 
 int kvs_qisa(void) { return chosen_isa(); }
+
+/* KVSEAL_QISA when it asks for a set this CPU lacks (or is no set at all: -1), so that the caller refuses to run
+   (kernels/ops.qisa); 0 when it is unset or honoured. The kernels themselves never run a set the CPU lacks. */
+int kvs_qisa_refused(void) {
+    const int forced = qisa_forced();
+    return forced != 0 && forced != chosen_isa() ? forced : 0;
+}
 
 /* Bytes of scratch kvs_qlinear_mat needs for M rows of K inputs: the int8 rows and their block sums and scales. */
 int64_t kvs_qscratch_bytes(int64_t M, int64_t K) { return M * K + M * (K / QK) * 20; }

@@ -58,6 +58,25 @@ log = logging.getLogger("kvseal.router")
 _PICK_ATTEMPTS = 4  # a decode worker that started draining after it was picked: pick another
 
 
+_HANDOFF = (State.TRANSFERRING, State.VERIFIED, State.DECODING)  # the router's states after PREFILLING
+
+
+def _advance_to(life: Lifecycle, stage: str | None) -> None:
+    """Move a PREFILLING request along the handoff up to `stage`, decode's word for where the request was when it
+    ended (or DECODING for its first output); a stage before the handoff, or unknown, moves nothing."""
+    reached = next((i for i, s in enumerate(_HANDOFF) if s.value == stage), -1)
+    for s in _HANDOFF[: reached + 1]:
+        life.advance(s)
+
+
+def _finish_reason(final: str, worker: str) -> FinishReason:
+    try:
+        return FinishReason(final)
+    except ValueError:
+        raise WorkerFailed(f"{worker} ended the request with {final[:40]!r}, which is neither stop, length nor an "
+                           f"error; the answer is incomplete") from None
+
+
 class DisaggBackend:
     def __init__(self, tokenizer: Tokenizer, model_name: str | None, prefill: list[str], decode: list[str],
                  max_model_len: int | None = None, startup_timeout_s: float = 300.0,
@@ -288,16 +307,18 @@ class DisaggBackend:
             while True:
                 item, where = await self._next(q, prefill_task, started, prefill, decode, first, req)
                 if isinstance(item, ErrorInfo):
+                    if first and started.is_set():  # prefill said the KV left: it failed in the handoff
+                        _advance_to(life, State.TRANSFERRING.value)
                     raise KvsealError.from_info(item)
-                if first:
-                    life.advance(State.TRANSFERRING)  # decode streams only after it verified the KV
-                    life.advance(State.VERIFIED)
-                    life.advance(State.DECODING)
-                    first = False
                 if item.final is not None and item.error is not None:
+                    if first:  # ended on decode: the request got as far as decode says (a verification
+                        _advance_to(life, item.stage)  # failure: TRANSFERRING), not further
                     raise KvsealError.from_info(item.error)
+                if first:
+                    _advance_to(life, State.DECODING.value)  # decode streams only after it verified the KV
+                    first = False
                 if item.final is not None:
-                    life.finish(FinishReason(item.final))
+                    life.finish(_finish_reason(item.final, decode.name))
                     cached = await self._prefill_settled(prefill_task, rid)
                     item = msgspec.structs.replace(item, cached_tokens=cached)  # prefill's cache, not decode's
                 yield item

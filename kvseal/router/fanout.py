@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, Callable
 
 from kvseal.engine.messages import GenerateDelta
-from kvseal.errors import KvsealError
+from kvseal.errors import InternalError, KvsealError
 
+log = logging.getLogger("kvseal.router")
 Deltas = AsyncGenerator[GenerateDelta, None]
 
 
@@ -40,9 +42,15 @@ class Fanout:
                     return
             self._queue.put_nowait((i, None))
         except KvsealError as err:  # a backend that raises instead of ending the request: the same outcome
-            self._queue.put_nowait((i, GenerateDelta("", [], "", final="failed", error=err.to_info())))
+            self._failed(i, err)
+        except Exception:  # whatever else it raises ends the sample too: the client never waits forever
+            log.exception("sample %d of a request raised", i)
+            self._failed(i, InternalError("the router failed while running this request; it was not completed"))
         finally:
             await gen.aclose()  # a sample not finished is aborted on every worker it reached
+
+    def _failed(self, i: int, err: KvsealError) -> None:
+        self._queue.put_nowait((i, GenerateDelta("", [], "", final="failed", error=err.to_info())))
 
     async def next(self) -> tuple[int, GenerateDelta | None]:
         return await self._queue.get()

@@ -11,15 +11,16 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvseal.engine.messages import GenerateDelta
-from kvseal.errors import InvalidRequest, KvsealError, NotFound
+from kvseal.errors import OWN_BAD_STATUS, InvalidRequest, KvsealError, NotFound, http_error_status
 from kvseal.router.requestlog import trace_of
 
 RETRY_AFTER_S = 1  # what a 503 (overloaded, queue full, no worker serving) tells the client to wait
 
 
 def error_response(err: KvsealError) -> JSONResponse:
-    headers = {"retry-after": str(RETRY_AFTER_S)} if err.status == 503 else None
-    return JSONResponse(err.to_openai(), status_code=err.status, headers=headers)
+    status = http_error_status(err.status, OWN_BAD_STATUS)  # an error body never goes out with a 2xx/3xx
+    headers = {"retry-after": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(err.to_openai(), status_code=status, headers=headers)
 
 
 def failed(request: Request, err: KvsealError, last: GenerateDelta | None = None) -> JSONResponse:

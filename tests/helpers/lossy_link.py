@@ -2,12 +2,18 @@
 second delta of each request, which is dropped. It stands for what the issue found in the code: a worker that
 sends with NOBLOCK and only logs when ZeroMQ refuses, so a router that falls behind loses output silently.
 
+While a test sets `tamper`, that rule replaces the dropping one: it gets each message from decode (a plain dict)
+and returns what to forward in its place (None: drop it), so a test can make decode say things a healthy worker
+never says.
+
 Frames are read as plain msgpack (no kvseal schema), so the link works against any kvseal version.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -26,6 +32,7 @@ class LossyLink:
         self.dropped: list[str] = []  # request ids whose second delta was dropped
         self._seen: dict[str, int] = {}
         self._peer: bytes | None = None
+        self.tamper: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -41,8 +48,17 @@ class LossyLink:
                     self._back.send(data)
                 else:
                     data = self._back.recv()
-                    if not self._drop(data) and self._peer is not None:
-                        self._front.send_multipart([self._peer, data])
+                    out = self._tampered(data) if self.tamper is not None else None if self._drop(data) else data
+                    if out is not None and self._peer is not None:
+                        self._front.send_multipart([self._peer, out])
+
+    def _tampered(self, data: bytes) -> bytes | None:
+        msg = msgspec.msgpack.decode(data)
+        rule = self.tamper
+        if not isinstance(msg, dict) or rule is None:
+            return data
+        out = rule(msg)
+        return None if out is None else msgspec.msgpack.encode(out)
 
     def _drop(self, data: bytes) -> bool:
         msg = msgspec.msgpack.decode(data)

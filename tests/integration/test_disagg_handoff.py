@@ -51,6 +51,11 @@ def test_decode_refuses_kv_that_is_not_what_it_reserved(fleet: Fleet, fault: str
         fleet.faults.set("", fleet.prefill)
     assert e.value.status_code == 502, e.value
     assert e.value.code == "kv_verification_failed"
+    # logged where it ended: in the handoff (before: stage=decoding, the router had moved on at the error delta)
+    rid = e.value.response.headers["x-request-id"]
+    wait_until(lambda: [x for x in fleet.router.output().splitlines() if rid in x], 10, "the failure logged")
+    line = next(x for x in fleet.router.output().splitlines() if rid in x)
+    assert "stage=transferring" in line, line
     after = fleet.decode.info()
     assert after["transfers_refused"] == before["transfers_refused"] + 1
     assert after["transfers_acked"] == before["transfers_acked"]

@@ -5,6 +5,8 @@ behind while it tokenizes a huge prompt.
   worker that sent with NOBLOCK and only logged when ZeroMQ refused could). Deltas are numbered per request and
   the router checks continuity: the request ends FAILED with 502 `stream_incomplete` (whole) or an error event
   and no [DONE] (streamed). Before: 200 with text missing.
+* A decode worker that says what a healthy one never says (issue 17, section 3): a final delta that is neither stop,
+  length nor an error, or an error that carries status 200. The client gets one 502, never a hang or a 200.
 * Tokenizing a multi-megabyte chat runs off the router's event loop: /health answers within a second meanwhile.
   Before: the loop was blocked for seconds (and every stream and heartbeat with it).
 """
@@ -14,6 +16,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -97,3 +102,63 @@ def test_tokenizing_a_huge_prompt_does_not_stall_the_router(fleet: Fleet) -> Non
     t.join()
     assert done[0].status_code == 400 and done[0].json()["error"]["code"] == "context_length_exceeded"
     assert worst < 1.0, f"/health took {worst:.2f}s while the router tokenized"
+
+
+@contextmanager
+def tampered(fleet: Fleet, rule: Callable[[dict[str, Any]], dict[str, Any] | None]) -> Iterator[None]:
+    fleet.link.tamper = rule
+    try:
+        yield
+    finally:
+        fleet.link.tamper = None
+
+
+def failed_lines(fleet: Fleet, r: httpx.Response) -> list[str]:
+    def logged() -> list[str]:
+        return [line for line in fleet.router.output().splitlines() if r.headers["x-request-id"] in line]
+
+    wait_until(logged, 10, "the failed request logged")
+    time.sleep(0.3)
+    return logged()
+
+
+def test_a_decode_final_that_is_no_outcome_ends_every_sample_with_one_error(fleet: Fleet) -> None:
+    """Before: the router's FinishReason("weird") raised ValueError; fanout caught only KvsealError, so the client
+    of an n=2 request waited forever, and the request was logged ABORTED "client disconnected"."""
+    def weird(msg: dict[str, Any]) -> dict[str, Any]:
+        d = msg.get("delta") if msg.get("kind") == "delta" else None
+        if d is not None and d.get("final") in ("stop", "length"):
+            d["final"] = "weird"
+        return msg
+
+    with tampered(fleet, weird):
+        try:
+            r = httpx.post(fleet.router.url + "/v1/completions", json={**BODY, "max_tokens": 3, "n": 2}, timeout=30)
+        except httpx.ReadTimeout:
+            raise AssertionError("the client got no answer within 30 s") from None
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert err["code"] == "worker_failed" and "'weird'" in err["message"], err
+    lines = failed_lines(fleet, r)
+    assert len(lines) == 1 and "status=502" in lines[0] and "stage=decoding" in lines[0], lines
+    wait_until(fleet.at_baseline, 30, "pools back to baseline")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_error_that_carries_status_200_reaches_the_client_as_a_502(fleet: Fleet, stream: bool) -> None:
+    """Before: the router kept a peer error's status whatever it was: HTTP 200 with an error body."""
+    def error_200(msg: dict[str, Any]) -> dict[str, Any]:
+        d = msg.get("delta") if msg.get("kind") == "delta" else None
+        if d is not None and d.get("final") is None:
+            msg["delta"] = {**d, "token_ids": [], "text": "", "final": "failed", "stage": "decoding",
+                            "error": {"kind": "WorkerFailed", "message": "decode says no", "status": 200,
+                                      "type": "server_error", "code": "worker_failed", "param": None}}
+        return msg
+
+    with tampered(fleet, error_200):
+        r = httpx.post(fleet.router.url + "/v1/completions", json={**BODY, "stream": stream}, timeout=60)
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "worker_failed" and r.json()["error"]["message"] == "decode says no"
+    lines = failed_lines(fleet, r)
+    assert len(lines) == 1 and "status=502" in lines[0], lines
+    wait_until(fleet.at_baseline, 30, "pools back to baseline")  # decode was told the request ended

@@ -4,11 +4,16 @@ return to baseline (seal 8) with cached pages counted as free."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
+from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import strategies as st
 
 from kvseal.engine.disagg import DecodeEngine, PrefillEngine
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
+from kvseal.kv.prefix_cache import namespace_root
 from kvseal.model.checkpoint import Checkpoint
 
 from .conftest import make_engine
@@ -166,3 +171,55 @@ def test_prefill_engine_caches_and_ships_the_whole_prompt(tiny: Checkpoint, hit:
     assert p.allocator.num_cached == 10 and d.allocator.num_cached == 0  # decode keeps no cache
     p.allocator.check_integrity()
     d.allocator.check_integrity()
+
+
+ONE = SamplingParams(max_tokens=1, temperature=0.0)  # the prefix hit is all these tests look at
+_NAMES = st.text(alphabet="ab:\x00\x01|-", max_size=6)  # short, and rich in what a naive join would confuse
+
+
+def test_cache_salt_only_splits_a_tenants_cache_never_reaches_another(tiny: Checkpoint) -> None:
+    """Issue 17: cache_salt is the client's; whatever it chooses (another tenant's name, that name with separators,
+    an empty salt, a tenant+salt split the other way), it never names another tenant's pages."""
+    e = make_engine(tiny, pool_tokens=16384)  # room for every example's pages: no eviction, so a page id is one page
+    seeds = iter(range(1000, 10**6))
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck),
+              phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    @given(a=_NAMES, a_salt=st.none() | _NAMES, b=_NAMES, b_salt=st.none() | _NAMES)
+    def check(a: str, a_salt: str | None, b: str, b_salt: str | None) -> None:
+        assume(a != b)
+        crafted = {b_salt, a, a_salt, f"{a}{a_salt or ''}", f"{a_salt or ''}{a}", "", None}
+        for salt in crafted:  # no (b, salt) has a's root: the namespaces are apart by construction ...
+            assert namespace_root(b, salt) != namespace_root(a, a_salt), (a, a_salt, b, salt)
+        ids = prompt(24, next(seeds))  # ... and in the engine: a prompt of its own per example
+        _, cached, _ = run(e, f"a-{uuid.uuid4().hex}", ids, tenant=a, salt=a_salt, params=ONE)
+        assert cached == 0
+        a_pages = set(e.allocator.cached_pages())
+        for salt in crafted:
+            _, cached, b_pages = run(e, f"b-{uuid.uuid4().hex}", ids, tenant=b, salt=salt, params=ONE)
+            assert cached == 0 and not set(b_pages) & a_pages, (a, a_salt, b, salt)
+            a_pages |= set(e.allocator.cached_pages())  # b's own pages now too: his next salt may not hit them
+        _, cached, _ = run(e, f"a-{uuid.uuid4().hex}", ids, tenant=a, salt=a_salt, params=ONE)
+        assert cached == 20  # a's own namespace still hits: five full pages of 24 tokens, the last one computed
+
+    check()
+    assert e.prefix_cache.evicted_pages == 0
+    assert e.allocator.num_free == e.pool.num_pages
+
+
+def test_a_crafted_salt_never_reaches_another_tenants_pages(tiny: Checkpoint) -> None:
+    """The named cases: bob choosing alice's tenant name (or alice's name with the root's separators) as his
+    cache_salt, or an empty salt, never hits alice's cached prompt."""
+    e = make_engine(tiny)
+    ids = prompt(24, 12)
+    run(e, "alice-1", ids, tenant="alice", params=ONE)
+    run(e, "alice-2", ids, tenant="alice", salt="s", params=ONE)
+    alice_pages = set(e.allocator.cached_pages())
+    for i, salt in enumerate(["alice", "", "\x00alice", "alice\x00", "alices", "s", "alice\x01s"]):
+        _, cached, pages = run(e, f"bob-{i}", ids, tenant="bob", salt=salt, params=ONE)
+        assert cached == 0 and not set(pages) & alice_pages, salt
+    for i, (tenant, salt) in enumerate([("", "alice"), ("alic", "e"), ("alice\x01", None), ("", None)]):
+        _, cached, pages = run(e, f"other-{i}", ids, tenant=tenant, salt=salt, params=ONE)
+        assert cached == 0 and not set(pages) & alice_pages, (tenant, salt)
+    _, cached, _ = run(e, "alice-3", ids, tenant="alice", params=ONE)
+    assert cached == 20

@@ -9,12 +9,16 @@ import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import httpx
+import msgspec
+import pytest
 from fastapi.testclient import TestClient
 
 from kvseal.config import ServerConfig
 from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.errors import InvalidRequest, KvsealError, WorkerFailed
 from kvseal.router.api import build_app
+from kvseal.router.http_errors import error_response
 
 from .conftest import FakeTokenizer
 
@@ -98,3 +102,63 @@ def test_a_refused_sample_0_starts_no_other_sample() -> None:
         s = c.post("/v1/completions", json={**BODY, "stream": True})
         assert s.status_code == 400  # the error came first: a real status, not a 200 stream
     assert backend.started == [0, 0]
+
+
+class RaisingBackend(ScriptedBackend):
+    """Sample `bad` raises a plain exception (not a KvsealError) after its first delta: a backend bug."""
+
+    def __init__(self, steps: dict[int, int], bad: int) -> None:
+        super().__init__(steps)
+        self.bad = bad
+
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+        k = int(req.request_id.rsplit("-", 1)[1]) if req.request_id.count("-") > 1 else 0
+        async for d in super().generate(req):
+            yield d
+            if k == self.bad:
+                raise ValueError("'weird' is not a valid FinishReason")
+
+
+@pytest.mark.parametrize("bad", [0, 1])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unexpected_exception_in_any_sample_ends_the_request_with_one_error(bad: int, stream: bool) -> None:
+    """Before: fanout caught only KvsealError; the sample's task died, no delta came, the client waited forever."""
+    backend = RaisingBackend({0: 3, 1: 30, 2: 30}, bad=bad)
+
+    async def ask() -> httpx.Response:
+        transport = httpx.ASGITransport(app=build_app(backend, ServerConfig()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post("/v1/completions", json={**BODY, "stream": stream})
+
+    async def within_20s() -> httpx.Response:
+        try:
+            return await asyncio.wait_for(ask(), 20)
+        except TimeoutError:
+            raise AssertionError("the client is still waiting for an answer after 20 s") from None
+
+    r = asyncio.run(within_20s())
+    if stream:  # a first delta came before the exception: a 200 stream that ends with one error event
+        events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        assert r.status_code == 200 and "data: [DONE]" not in r.text
+        assert [e["error"]["code"] for e in events if "error" in e] == ["internal_error"]
+    else:
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+    assert sorted(backend.aborted) == sorted(backend.started) == [0, 1, 2]  # none left running, none finished
+
+
+@pytest.mark.parametrize("status", [200, 204, 302, 0, -1, 600])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_peer_error_with_a_success_status_is_a_502(status: int, stream: bool) -> None:
+    """Before: an error from a peer kept its status whatever it was, and a 200 went out with an error body."""
+    info = WorkerFailed("the peer failed").to_info()
+    backend = ScriptedBackend({0: 0}, fail={0: KvsealError.from_info(msgspec.structs.replace(info, status=status))})
+    with TestClient(build_app(backend, ServerConfig())) as c:
+        r = c.post("/v1/completions", json={**BODY, "n": 1, "stream": stream})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "worker_failed", (r.status_code, r.text)
+
+
+def test_an_error_of_this_process_with_a_success_status_is_a_500() -> None:
+    err = InvalidRequest("a handler bug")
+    err.status = 200
+    assert error_response(err).status_code == 500
+    assert error_response(InvalidRequest("fine")).status_code == 400
