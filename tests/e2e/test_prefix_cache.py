@@ -20,6 +20,7 @@ from tests.helpers.procs import Server, wait_until
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"alice": "sk-test-alice", "bob": "sk-test-bob"}
+ADMIN_KEY = "sk-test-ops"  # fleet internals (every worker's pool) are shown to admin keys only
 ARGS = ["--max-model-len", "2048", "--kv-pool-tokens", "8192", "--max-num-batched-tokens", "128"]
 _n = itertools.count()
 
@@ -32,7 +33,7 @@ def long_prompt() -> str:
 @pytest.fixture(scope="module", params=["unified", "disaggregated"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
-    keys.write_text("".join(f"{t} {k}\n" for t, k in KEYS.items()))
+    keys.write_text("".join(f"{t} {k}\n" for t, k in KEYS.items()) + f"ops {ADMIN_KEY} admin\n")
     mode = ["--unified"] if request.param == "unified" else []
     s = Server([*mode, *ARGS, "--api-keys", str(keys)])
     try:
@@ -57,7 +58,7 @@ def complete(server: Server, tenant: str, prompt: str, salt: str | None = None) 
 
 
 def pools(server: Server) -> list[dict[str, Any]]:
-    info = httpx.get(server.url + "/info", headers={"Authorization": f"Bearer {KEYS['bob']}"}, timeout=30).json()
+    info = httpx.get(server.url + "/info", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30).json()
     return info.get("workers", [info])
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvseal.auth.keys import write_key_set
 from tests.helpers.procs import Proc, wait_until
 from tests.helpers.transports import KV_TRANSPORTS
 
@@ -193,7 +194,10 @@ class Fleet:
 
 @pytest.fixture(scope="module", params=KV_TRANSPORTS)
 def fleet(hosts: Hosts, request: pytest.FixtureRequest) -> Iterator[Fleet]:
-    kv = ["--kv-transport", request.param]
+    # off loopback every role needs fleet keys (a worker bound on 10.231.x without them refuses to start)
+    keys = tempfile.mkdtemp(prefix="kvseal-netns-keys-")
+    write_key_set(keys + "/fleet", ["router", "prefill", "decode"])
+    kv = ["--kv-transport", request.param, "--fleet-keys", keys + "/fleet"]
 
     def ucx(dev: str) -> dict[str, str]:  # NIXL: UCX over TCP on the KV link only, as between hosts
         return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev} if request.param == "nixl" else {}
@@ -210,6 +214,7 @@ def fleet(hosts: Hosts, request: pytest.FixtureRequest) -> Iterator[Fleet]:
     decode.wait_line("worker ready on")
     router = NsProc(hosts.ns["router"], ["router", "--host", f"10.231.{hosts.host_net}.2",
                                          "--port", str(ROUTER_PORT), "--max-model-len", "1024",
+                                         "--fleet-keys", keys + "/fleet",
                                          "--prefill", f"10.231.1.2:{PREFILL_PORT}",
                                          "--decode", f"10.231.2.2:{DECODE_PORT}"])
     hosts.procs.append(router)
@@ -218,6 +223,7 @@ def fleet(hosts: Hosts, request: pytest.FixtureRequest) -> Iterator[Fleet]:
     for proc in (router, prefill, decode):  # the next transport's fleet takes the same ports
         hosts.procs.remove(proc)
         proc.stop(timeout=30)
+    shutil.rmtree(keys, ignore_errors=True)
 
 
 def greedy(fleet: Fleet, timeout: float = 300) -> httpx.Response:
