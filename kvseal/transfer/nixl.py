@@ -67,6 +67,14 @@ def nixl_errors() -> tuple[type[BaseException], ...]:
     return (*[e for e in found if isinstance(e, type) and issubclass(e, BaseException)], ValueError, RuntimeError)
 
 
+def nixl_disconnected() -> tuple[type[BaseException], ...]:
+    """What NIXL raises for a peer that is gone (nixlRemoteDisconnectError, NIXL_ERR_REMOTE_DISCONNECT)."""
+    from nixl import _bindings
+
+    found = getattr(_bindings, "nixlRemoteDisconnectError", None)
+    return (found,) if isinstance(found, type) and issubclass(found, BaseException) else ()
+
+
 @dataclass(slots=True)
 class _Read:
     manifest: KVManifest
@@ -100,6 +108,7 @@ class NixlTransport(ZmqTransport):
         self.name = name or f"kvseal-{secrets.token_hex(8)}"
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
         self._errors = nixl_errors()
+        self._disconnected = nixl_disconnected()
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL has no UCX backend here: reinstall the nixl package")
         self._pools: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -277,9 +286,14 @@ class NixlTransport(ZmqTransport):
         return bool(self._reads)
 
     def _state(self, xfer: Any, r: _Read | None = None) -> str:
-        """DONE, ERR, PROC, or UNKNOWN when NIXL cannot say (then the read counts as running)."""
+        """DONE, ERR, PROC, or UNKNOWN when NIXL cannot say (then the read counts as running).
+
+        A remote that is disconnected counts as ERR: the peer process is gone (or its endpoint closed), and with
+        it its registered memory, so no byte of this read can land any more."""
         try:
             return str(self.agent.check_xfer_state(xfer))
+        except self._disconnected:
+            return "ERR"
         except self._errors as e:
             if r is None or not r.unknown_logged:
                 log.warning("cannot tell whether a NIXL read is over (%s): its pages stay claimed", e)

@@ -109,6 +109,55 @@ def test_a_read_past_its_deadline_keeps_its_pages_until_nixl_says_it_is_over(tcp
         assert figures.get("kv_export_pages_held") == 0  # prefill's window pages were freed at decode's answer
 
 
+def test_a_read_whose_prefill_worker_died_is_over_and_its_pages_come_back(tcp_only: None) -> None:
+    """The prefill worker is killed while decode's READ is held: no byte can come from a dead process, NIXL says
+    so (the remote is disconnected), and that ends the read like ERR does. The pages are scrubbed and freed, the
+    request fails with worker_failed, and the next reservation can have them: never quarantined for ever."""
+    with decode_worker("nixl", pool_tokens=128) as w:
+        d = w.dengine
+        prefill = PrefillProcess(PoolSpec.of(d))
+        stopped: list[float] = []
+        try:
+            warm = reserve(w, "warm")
+            prefill.send(warm, [1, 2, 3])
+            pump(w, lambda: "warm" not in d.seqs)
+            res = reserve(w, "doomed")
+            pages = res.page_ids
+            real_claim = w._claim
+
+            def claim(m: KVManifest) -> list[int]:
+                got = real_claim(m)
+                os.kill(prefill.pid, signal.SIGSTOP)  # the READ is posted to a stopped peer ...
+                wait_stopped(prefill.pid)
+                stopped.append(time.monotonic())
+                return got
+
+            w._claim = claim  # type: ignore[method-assign]
+            prefill.send(res, [4, 5, 6], timeout_s=30.0)
+            finals: dict[str, GenerateDelta] = {}
+            killed: list[float] = []
+
+            def read_over() -> bool:
+                if stopped and not killed and time.monotonic() > stopped[0] + 0.3:
+                    os.kill(prefill.pid, signal.SIGKILL)  # ... which then dies with it in flight
+                    killed.append(time.monotonic())
+                return ("doomed" in finals and "doomed" not in d.landing and "doomed" not in d.quarantined
+                        and w.info().get("kv_reads_in_flight", 0) == 0)
+
+            pump(w, read_over, timeout=60.0, finals=finals)
+        finally:
+            if prefill.proc.is_alive():
+                os.kill(prefill.pid, signal.SIGKILL)
+            prefill.proc.join(10)
+        err = finals["doomed"].error
+        assert err is not None and err.code == "worker_failed" and err.status == 502, err
+        assert killed, "the read ended before the prefill worker was killed: nothing was tested"
+        assert not d.pool.k[:, pages].any() and not d.pool.v[:, pages].any(), "freed pages were not scrubbed"
+        d.allocator.check_integrity()
+        assert d.allocator.num_free == d.pool.num_pages and not d.landing and not d.quarantined
+        assert set(reserve(w, "next", prompt=len(pages) * d.pool.page_size).page_ids) <= set(range(d.pool.num_pages))
+
+
 def wait_stopped(pid: int) -> None:
     """SIGSTOP takes effect asynchronously: wait until every thread of the process is stopped."""
     deadline = time.monotonic() + 10
