@@ -59,9 +59,9 @@ MUTATIONS = [
      ["tests/unit/test_engine_prefix.py::test_tenants_and_salts_never_share"], False),
     ("9 cache_salt only splits a tenant's cache (the root is length-prefixed, never a plain join)",
      "kvseal/kv/prefix_cache.py",
-     '    parts = [b"kvseal-prefix-v1", len(t).to_bytes(4, "little"), t]\n    if cache_salt is not None:\n'
+     ('    parts = [b"kvseal-prefix-v1", len(t).to_bytes(4, "little"), t]\n    if cache_salt is not None:\n'
      '        s = cache_salt.encode("utf-8", "surrogatepass")\n        parts += [b"\\x01", len(s).to_bytes(4, "little"), s]\n'
-     '    else:\n        parts.append(b"\\x00")\n',
+     '    else:\n        parts.append(b"\\x00")\n'),
      '    parts = [b"kvseal-prefix-v1", (tenant + (cache_salt or "")).encode("utf-8", "surrogatepass")]\n',
      ["tests/unit/test_engine_prefix.py::test_a_crafted_salt_never_reaches_another_tenants_pages"], False),
     ("6+8 cached pages: referenced never evicted, scrubbed when evicted", "kvseal/kv/prefix_cache.py",
@@ -275,6 +275,7 @@ def run_one(mutation: Mutation, root: Path = ROOT) -> Result:
             return Result(seal, "stale", 0.0, f"snippet not found exactly once in {rel}: update this script")
         path.write_text(src.replace(old, new))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        env["KVSEAL_TEST_READY_TIMEOUT"] = "90"  # a mutation that keeps the fleet from forming fails in 90 s, not 180
         env.pop("PYTEST_ADDOPTS", None)
         env.pop("PYTEST_CURRENT_TEST", None)
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],

@@ -15,6 +15,10 @@ import httpx
 
 from kvseal.launch import LAUNCHER_PID_ENV
 
+# How long a started process may take to be ready. scripts/prove_seals.py shortens it: a mutation that keeps a
+# fleet from ever forming (a worker that stops speaking CURVE) is caught at this timeout, not 3 minutes later.
+READY_TIMEOUT = float(os.environ.get("KVSEAL_TEST_READY_TIMEOUT", "180"))
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -37,7 +41,8 @@ class Proc:
         with open(self.log.name, "rb") as f:
             return f.read().decode(errors="replace")
 
-    def wait_http(self, url: str, timeout: float = 180.0) -> None:
+    def wait_http(self, url: str, timeout: float | None = None) -> None:
+        timeout = READY_TIMEOUT if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.p.poll() is not None:
@@ -74,7 +79,7 @@ class Server(Proc):
         super().__init__([command, "--port", str(self.port), *(extra or [])], env)
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def ready(self, timeout: float = 180.0) -> Server:
+    def ready(self, timeout: float | None = None) -> Server:
         self.wait_http(self.url + "/health", timeout)
         return self
 
@@ -90,8 +95,8 @@ class Worker(Proc):
         self.server_key: str | None = None  # this worker's public key, pinned
         super().__init__([role, "--port", str(self.port), "--log-level", "info", *(extra or [])], env)
 
-    def ready(self, timeout: float = 180.0) -> Worker:
-        deadline = time.monotonic() + timeout
+    def ready(self, timeout: float | None = None) -> Worker:
+        deadline = time.monotonic() + (READY_TIMEOUT if timeout is None else timeout)
         while "worker ready on" not in self.output():
             if self.p.poll() is not None:
                 raise RuntimeError(f"{self.role} worker exited with {self.p.returncode}:\n{self.output()[-4000:]}")
