@@ -4,6 +4,7 @@ token, with prompts (and chunked prefills) running past Mistral's and Gemma 3's 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,9 @@ import torch
 
 from kvseal import LLM, SamplingParams
 from kvseal.model.checkpoint import Checkpoint
+from kvseal.model.gguf import load_gguf
 from kvseal.model.loader import load_checkpoint
+from tests.helpers.tiny_gguf import write_tiny_gguf
 from tests.helpers.tiny_models import TINY_WINDOW, make_tiny_arch
 
 pytestmark = pytest.mark.e2e
@@ -61,3 +64,24 @@ def test_hf_folder_equals_transformers(tiny_dir: Path, kind: str, kernels: str) 
     if kind in ("mistral", "gemma3"):
         assert TINY_WINDOW in ck.arch.layer_windows and max(PROMPT_LENS) + NEW > 2 * TINY_WINDOW
     assert kvseal_greedy(ck, prompts, kernels) == expected
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3", "mistral", "gemma3"])
+def test_gguf_equals_transformers(tiny_dir: Path, kind: str) -> None:
+    """The same models written as llama.cpp writes them (Llama 3: a rope_freqs tensor and no scaling keys; Mistral:
+    the llama architecture, q/k permuted; Gemma 3: norms with 1 added, a sliding-window pattern), float32: kvseal
+    reads back the architecture transformers has and gives its greedy ids (native kernels)."""
+    overrides = {"query_pre_attn_scalar": 16} if kind == "gemma3" else {}  # a GGUF has none: llama.cpp's head_dim
+    folder = make_tiny_arch(tiny_dir, kind, **overrides)
+    arch_name = "llama" if kind in ("llama3", "mistral") else kind
+    path = write_tiny_gguf(folder, str(tiny_dir / f"{kind}.gguf"), arch_name=arch_name,
+                           pre="qwen2" if kind == "qwen3" else "smollm")
+    hf = load_checkpoint(folder, progress=False)
+    ck = load_gguf(path, progress=False)
+    assert ck.arch == dataclasses.replace(hf.arch, rms_eps=ck.arch.rms_eps, family=ck.arch.family)
+    if kind == "llama3":  # the divisors were recognised as HF's llama3 scaling
+        assert dict(ck.arch.rope_scaling or ())["rope_type"] == "llama3"
+    prompts = prompts_for(ck)
+    expected = hf_greedy(folder, prompts)
+    assert all(len(set(seq)) >= 5 for seq in expected)
+    assert kvseal_greedy(ck, prompts, "native") == expected

@@ -128,7 +128,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 8192}
 
 
-def make_tiny_arch(tmp_dir: str | Path, kind: str, seed: int = 0, tie: bool | None = None) -> str:
+def make_tiny_arch(tmp_dir: str | Path, kind: str, seed: int = 0, tie: bool | None = None, **overrides: Any) -> str:
     """Save a seeded tiny `kind` (TINY_ARCHS) model + tokenizer under tmp_dir; return the folder.
 
     llama3: rope_scaling llama3 (theta 5e5, head_dim 16: high, medium and low frequency bands all present);
@@ -136,7 +136,9 @@ def make_tiny_arch(tmp_dir: str | Path, kind: str, seed: int = 0, tie: bool | No
     layer; gemma3: local (window TINY_WINDOW, rope base 1e4) and global (rope 1e6, linear scaling 2) layers,
     query_pre_attn_scalar 24, GeGLU, sandwich norms, scaled embeddings, final logit softcap 5.
     tie: None ties the embeddings except for gemma3, whose tiny model, tied, only ever repeats the last token (its
-    scaled embedding outweighs two layers); the real Gemma 3 270M test covers its tied head."""
+    scaled embedding outweighs two layers); the real Gemma 3 270M test covers its tied head.
+    overrides: config fields to set instead (e.g. query_pre_attn_scalar=16: a GGUF states none, llama.cpp takes
+    head_dim)."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -151,7 +153,7 @@ def make_tiny_arch(tmp_dir: str | Path, kind: str, seed: int = 0, tie: bool | No
     if kind not in TINY_ARCHS:
         raise ValueError(f"kind must be one of {TINY_ARCHS}, got {kind!r}")
     tie = kind != "gemma3" if tie is None else tie
-    folder = Path(tmp_dir) / f"tiny-{kind}-{'tied' if tie else 'untied'}"
+    folder = Path(tmp_dir) / f"tiny-{kind}-{'tied' if tie else 'untied'}{'-'.join(['', *overrides])}"
     folder.mkdir(parents=True, exist_ok=True)
     vocab_size = _save_tokenizer(folder, "qwen2" if kind == "qwen3" else "llama")
     common: dict[str, Any] = {
@@ -178,7 +180,7 @@ def make_tiny_arch(tmp_dir: str | Path, kind: str, seed: int = 0, tie: bool | No
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
-            query_pre_attn_scalar=24, final_logit_softcapping=5.0)
+            **{"query_pre_attn_scalar": 24, "final_logit_softcapping": 5.0, **overrides})
         model_cls = Gemma3ForCausalLM
     torch.manual_seed(seed)
     model = model_cls(config).eval()
