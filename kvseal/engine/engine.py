@@ -76,8 +76,9 @@ class Engine:
         self.device = resolve_device(cfg.model.device)
         self.dtype = _DTYPES[cfg.model.dtype]
         self.kernels, why = resolve_kernels(cfg.model.kernels, self.device.type, cfg.model.dtype, arch)
+        model_window = min(arch.max_position, cfg.model.max_model_len or arch.max_position)
         self.arithmetic = resolve_arithmetic(cfg.model.arithmetic, self.kernels, why, arch, cfg.cache.page_size,
-                                             ckpt.block_types())
+                                             ckpt.block_types(), model_window)
         log.info("arithmetic: %s%s (%s)", self.arithmetic.name,
                  f" on {self.arithmetic.isa}" if self.arithmetic.isa else "", self.arithmetic.why)
         self.kv_dtype = _DTYPES[resolve_kv_dtype(cfg.cache.kv_dtype, cfg.model.dtype, self.arithmetic.fast)]
@@ -86,8 +87,7 @@ class Engine:
                              "arithmetic or --kernels torch (the exact native kernels read float32 KV). Fix: "
                              "--arithmetic fast, or drop --kv-dtype")
         self.model = LlamaModel(ckpt, self.dtype, self.device, native=self.kernels == "native",
-                                fast=self.arithmetic.fast)
-        model_window = min(arch.max_position, cfg.model.max_model_len or arch.max_position)
+                                fast=self.arithmetic.fast, max_model_len=model_window)
         num_pages = pool_num_pages(arch, cfg.cache, self.kv_dtype, default_tokens=2 * model_window)
         self.pool = KVPool(arch, num_pages, cfg.cache.page_size, self.kv_dtype, self.device,
                            layout="kt" if self.arithmetic.fast else "std")

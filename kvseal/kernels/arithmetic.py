@@ -43,11 +43,27 @@ class Arithmetic:
         return "fast/int8" if self.fast else f"exact/{self.kernels}"
 
 
-def fast_blockers(kernels: str, arch: ModelArch, page_size: int, block_types: dict[int, str] | None = None
-                  ) -> list[str]:
+def fast_gaps(arch: ModelArch, served_len: int) -> str:
+    """What of this architecture the fast arithmetic does not compute ("" when it runs it all): its layers are
+    plain Llama/Qwen2 ones, its attention has no sliding window."""
+    windows = sorted({w for w in arch.windows(served_len) if w})
+    gaps = [what for what, has in (
+        ("q/k norms", arch.qk_norm), ("sandwich norms", arch.sandwich_norms), (arch.mlp_act, arch.mlp_act != "silu"),
+        ("scaled embeddings", arch.embed_scale is not None), ("a query scale", arch.attn_scalar is not None),
+        ("a local rope base", arch.local_rope_theta is not None), ("a logit softcap", arch.final_softcap is not None),
+        (f"sliding windows {windows} shorter than the {served_len} positions served", bool(windows))) if has]
+    return ", ".join(gaps)
+
+
+def fast_blockers(kernels: str, arch: ModelArch, page_size: int, block_types: dict[int, str] | None = None,
+                  served_len: int | None = None) -> list[str]:
     """Why the fast arithmetic cannot run here (empty when it can). block_types: the GGML types (id -> name) the
-    checkpoint keeps as blocks (Checkpoint.block_types)."""
+    checkpoint keeps as blocks (Checkpoint.block_types); served_len: the most positions served (None: the model's
+    own window)."""
     reasons = []
+    gaps = fast_gaps(arch, served_len or arch.max_position)
+    if gaps:
+        reasons.append(f"it does not compute {arch.family}'s {gaps} (exact does)")
     from kvseal.kernels.ops import BLOCKS
 
     missing = sorted(name for t, name in (block_types or {}).items() if t not in BLOCKS)
@@ -65,14 +81,15 @@ def fast_blockers(kernels: str, arch: ModelArch, page_size: int, block_types: di
 
 
 def resolve_arithmetic(requested: str, kernels: str, kernels_why: str, arch: ModelArch,
-                       page_size: int, block_types: dict[int, str] | None = None) -> Arithmetic:
+                       page_size: int, block_types: dict[int, str] | None = None,
+                       served_len: int | None = None) -> Arithmetic:
     """The arithmetic for --arithmetic `requested`, given the resolved kernel set. An explicit "fast" that cannot
     run is a ValueError naming why; "auto" falls back to exact and says why."""
     if requested not in CHOICES:
         raise ValueError(f"invalid arithmetic={requested!r}: use one of {', '.join(CHOICES)}")
     if requested == "exact":
         return Arithmetic("exact", kernels, "", f"--arithmetic exact ({kernels_why})")
-    reasons = fast_blockers(kernels, arch, page_size, block_types)
+    reasons = fast_blockers(kernels, arch, page_size, block_types, served_len)
     if not reasons:
         from kvseal.kernels.ops import qisa
 

@@ -54,6 +54,7 @@ def paged_attention(
     meta: AttentionMeta,
     scale: float,
     native: bool = False,  # decode rows through kvseal's C kernel, which reads the pool via the page table
+    window: int = 0,  # a sliding window (ModelArch.layer_windows): a query at p sees keys p - window + 1 .. p
 ) -> torch.Tensor:  # (T, H, D)
     num_pages, page_size, kvh, d = k_cache.shape
     # a KV dtype other than the compute dtype (--kv-dtype) is rounded on write and widened on read
@@ -61,7 +62,9 @@ def paged_attention(
     v_cache.view(num_pages * page_size, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     out = torch.empty_like(q)
 
-    if meta.decode_rows is not None and native:
+    # the C kernel reads every key up to kv_len: it runs a windowed layer only while no row is past its window
+    in_window = window == 0 or (meta.decode_kv_lens is not None and int(meta.decode_kv_lens.max()) <= window)
+    if meta.decode_rows is not None and native and in_window:
         assert meta.decode_pages is not None and meta.decode_kv_lens is not None
         out[meta.decode_rows] = paged_decode_attention(q[meta.decode_rows], k_cache, v_cache, meta.decode_pages,
                                                        meta.decode_kv_lens, scale)
@@ -73,19 +76,35 @@ def paged_attention(
         vd = gather_pages(v_cache, meta.decode_pages).view(bd, ctx, kvh, d).transpose(1, 2)
         kd, vd = kd.to(q.dtype), vd.to(q.dtype)
         qd = q[meta.decode_rows].unsqueeze(2)  # (Bd, H, 1, D)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
+        mask: torch.Tensor = meta.decode_mask
+        if window:  # keys at kv_len - window .. kv_len - 1 only
+            assert meta.decode_kv_lens is not None
+            first = (meta.decode_kv_lens - window)[:, None, None, None]
+            mask = mask & (torch.arange(ctx, device=mask.device) >= first)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True, scale=scale)
         out[meta.decode_rows] = od.squeeze(2)
 
     for span in meta.prefills:
-        n = span.pages.shape[0]
-        # (KVH, kv_len, D) each
-        ks = gather_pages(k_cache, span.pages).view(n * page_size, kvh, d)[: span.kv_len].transpose(0, 1)
-        vs = gather_pages(v_cache, span.pages).view(n * page_size, kvh, d)[: span.kv_len].transpose(0, 1)
+        first_q = span.kv_len - span.q_len  # the position of the span's first query
+        span_mask = span.mask
+        # keys from `lo` (page aligned) on: with a window, the earlier ones no query of the span sees
+        lo = 0 if window == 0 else max(0, first_q - window + 1) // page_size * page_size
+        pages = span.pages[lo // page_size :]
+        n = pages.shape[0]
+        # (KVH, kv_len - lo, D) each
+        ks = gather_pages(k_cache, pages).view(n * page_size, kvh, d)[: span.kv_len - lo].transpose(0, 1)
+        vs = gather_pages(v_cache, pages).view(n * page_size, kvh, d)[: span.kv_len - lo].transpose(0, 1)
         ks, vs = ks.to(q.dtype), vs.to(q.dtype)
         qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # (H, q_len, D)
-        if span.mask is None:
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        if window and span.kv_len > window:  # (q_len, kv_len - lo): causal, and within the window
+            qpos = torch.arange(first_q, span.kv_len, device=q.device)[:, None]
+            kpos = torch.arange(lo, span.kv_len, device=q.device)[None, :]
+            span_mask = (kpos <= qpos) & (kpos > qpos - window)
+        elif span_mask is not None:
+            span_mask = span_mask[:, lo:]
+        if span_mask is None:
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=scale)
         else:
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, enable_gqa=True)
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span_mask, enable_gqa=True, scale=scale)
         out[span.q_start : span.q_start + span.q_len] = os_.transpose(0, 1)
     return out

@@ -84,10 +84,13 @@ def _token_id(reader: GGUFFile, key: str, n_tokens: int) -> int | None:
 
 def tokenizer_from_gguf_reader(reader: GGUFFile) -> Tokenizer:
     model = gguf_field(reader, "tokenizer.ggml.model")
+    if model == "llama":
+        return _spm_tokenizer(reader)
     if model != "gpt2":
         raise ValueError(
-            f"GGUF tokenizer.ggml.model={model!r} is not supported; only byte-level BPE ('gpt2', used by "
-            "Llama-3, Qwen2 and SmolLM) is. Load the Hugging Face folder of this model instead."
+            f"GGUF tokenizer.ggml.model={model!r} is not supported; byte-level BPE ('gpt2': Llama 3, Qwen2/3, "
+            "SmolLM) and SentencePiece ('llama': Gemma, Llama 2, Mistral) are. Load the Hugging Face folder of this "
+            "model instead."
         )
     tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens") or []
     merges: list[str] = gguf_field(reader, "tokenizer.ggml.merges") or []
@@ -151,3 +154,31 @@ def tokenizer_from_gguf_reader(reader: GGUFFile) -> Tokenizer:
         bos_token=tokens[bos_id] if bos_id is not None else None,
         eos_token=tokens[eos_id] if eos_id is not None else None,
     )
+
+
+def _spm_tokenizer(reader: GGUFFile) -> Tokenizer:
+    """tokenizer.ggml.model == "llama": SentencePiece pieces with scores and byte fallback (model/spm_tokenizer.py)."""
+    from kvseal.model.spm_tokenizer import spm_backend
+
+    tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens") or []
+    if not tokens:
+        raise ValueError("GGUF has no tokenizer.ggml.tokens; it carries no tokenizer")
+    n = len(tokens)
+    ids = {k: _token_id(reader, f"tokenizer.ggml.{k}", n)
+           for k in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")}
+    backend = spm_backend(str(gguf_field(reader, "general.architecture")), tokens,
+                          gguf_field(reader, "tokenizer.ggml.scores") or [],
+                          gguf_field(reader, "tokenizer.ggml.token_type") or [],
+                          gguf_field(reader, "tokenizer.ggml.merges"), [i for i in ids.values() if i is not None])
+    bos_id, eos_id = ids["bos_token_id"], ids["eos_token_id"]
+    eos_ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        tid = _token_id(reader, f"tokenizer.ggml.{key}", n)
+        if tid is not None and tid not in eos_ids:
+            eos_ids.append(tid)
+    # a SentencePiece file that does not say adds BOS (llama.cpp and transformers agree)
+    add_bos = bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", True)) and bos_id is not None
+    return Tokenizer(backend, bos_id=bos_id, eos_ids=tuple(eos_ids), add_bos=add_bos,
+                     chat_template=gguf_field(reader, "tokenizer.chat_template"),
+                     bos_token=tokens[bos_id] if bos_id is not None else None,
+                     eos_token=tokens[eos_id] if eos_id is not None else None)

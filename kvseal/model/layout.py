@@ -29,6 +29,12 @@ def expected_weight_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (arch.num_heads * d,)
             shapes[p + "self_attn.k_proj.bias"] = (arch.num_kv_heads * d,)
             shapes[p + "self_attn.v_proj.bias"] = (arch.num_kv_heads * d,)
+        if arch.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if arch.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (arch.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (arch.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, arch.intermediate_size)

@@ -1,7 +1,11 @@
-"""The Llama-family decoder (Llama, SmolLM, Qwen2) with a paged KV cache.
+"""The Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2/3, Gemma 3) with a paged KV cache.
 
 Shapes: T = tokens in the flattened batch, H = query heads, KVH = kv heads, D = head_dim, E = hidden.
-Numerics follow Hugging Face's LlamaForCausalLM so fp32 greedy output matches it token for token.
+Numerics follow Hugging Face's LlamaForCausalLM (Qwen3ForCausalLM, Gemma3ForCausalLM) so fp32 greedy output matches
+it token for token. What a family adds to a Llama layer is in ModelArch: q/k norms (Qwen3, Gemma 3), sliding
+windows (Mistral, Gemma 3's local layers, with their own rope base), sandwich norms, GeGLU, scaled embeddings, the
+query scale and the final logit softcap (Gemma 3). Those run on the layer-by-layer path (torch or native ops); the
+whole-model C calls (decode_forward, forward_fast) compute a plain Llama/Qwen2 layer and are used only for those.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvseal.kernels import ops
+from kvseal.kernels.arithmetic import fast_gaps
 from kvseal.kernels.ops import FusedRows, PackedWeight, QWeight
 from kvseal.model.attention import AttentionMeta, paged_attention
 from kvseal.model.checkpoint import Checkpoint, ModelArch
@@ -23,7 +28,8 @@ class _Layer:
     """One decoder layer's weights. q/k/v and gate/up are stored fused, so a layer is four matrix products:
     wqkv (H*D + 2*KVH*D, E), wo (E, H*D), w_gate_up (2*I, E), w_down (E, I)."""
 
-    __slots__ = ("bqkv", "ln1", "ln2", "w_down", "w_gate_up", "wo", "wqkv")
+    __slots__ = ("bqkv", "k_norm", "ln1", "ln2", "post_attn", "post_ffn", "q_norm", "w_down", "w_gate_up", "wo",
+                 "wqkv")
 
     def __init__(self, w: ModelWeights, i: int, arch: ModelArch) -> None:
         p = f"model.layers.{i}."
@@ -32,7 +38,17 @@ class _Layer:
         self.wqkv = w.get(*(n + ".weight" for n in qkv))
         self.bqkv = torch.cat([w.dense(n + ".bias") for n in qkv]) if arch.attention_bias else None
         self.wo = w.get(p + "self_attn.o_proj.weight")
-        self.ln2 = w.dense(p + "post_attention_layernorm.weight")
+        # (D,) each, over every q (k) head before rope
+        self.q_norm = w.dense(p + "self_attn.q_norm.weight") if arch.qk_norm else None
+        self.k_norm = w.dense(p + "self_attn.k_norm.weight") if arch.qk_norm else None
+        # ln2 is the norm before the MLP; Gemma's post_attention_layernorm is the sandwich norm after attention
+        self.post_attn = self.post_ffn = None
+        if arch.sandwich_norms:
+            self.post_attn = w.dense(p + "post_attention_layernorm.weight")
+            self.ln2 = w.dense(p + "pre_feedforward_layernorm.weight")
+            self.post_ffn = w.dense(p + "post_feedforward_layernorm.weight")
+        else:
+            self.ln2 = w.dense(p + "post_attention_layernorm.weight")
         self.w_gate_up = w.get(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
         self.w_down = w.get(p + "mlp.down_proj.weight")
 
@@ -46,11 +62,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, native: bool = False,
-                 fast: bool = False, progress: bool = True) -> None:
+                 fast: bool = False, progress: bool = True, max_model_len: int | None = None) -> None:
         """native: run kvseal's C kernels (packed GGUF weights where the file has them, paged decode
         attention); the caller has checked they can run here (kvseal.kernels.build.resolve).
         fast: the fast arithmetic (kvseal/kernels/arithmetic.py; needs native): int8 matrix products on
-        repacked blocks, attention over a "kt" pool (kvseal/kv/pool.py)."""
+        repacked blocks, attention over a "kt" pool (kvseal/kv/pool.py); the caller has checked it runs this
+        arch (fast_blockers).
+        max_model_len: the most positions served (None: the model's own window); a sliding window that holds
+        them all is plain causal attention."""
         self.arch = arch = ckpt.arch
         self.dtype, self.device, self.native, self.fast = dtype, device, native, fast
         # (V, E) dense, GGUF blocks or the file's quantized rows: only rows are looked up
@@ -63,10 +82,22 @@ class LlamaModel:
         # the file its derived weights are in (None: nothing derived, or kept in memory)
         self.weights_cache = w.cache.path if w.cache is not None and w.cache.in_use else None
         self.weights_cache_built = w.cache is not None and w.cache.built  # this process wrote it
-        cos, sin = cos_sin_table(arch, arch.max_position)
+        served = min(arch.max_position, max_model_len or arch.max_position)
+        self.windows = arch.windows(served)  # per layer: 0 or a window shorter than what is served
+        cos, sin = cos_sin_table(arch, served)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
-        self.scale = arch.head_dim**-0.5
-        # Decode-only steps run every layer in one C call when all four matrices of every layer are packed.
+        self.cos_local, self.sin_local = self.cos, self.sin  # the windowed layers' tables
+        if arch.local_rope_theta is not None:
+            cos, sin = cos_sin_table(arch, served, local=True)
+            self.cos_local, self.sin_local = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+        self.scale = (arch.attn_scalar if arch.attn_scalar is not None else arch.head_dim) ** -0.5
+        # as transformers multiplies: by a float32 scalar tensor made from the Python float
+        self.embed_scale = None if arch.embed_scale is None else torch.tensor(arch.embed_scale).to(dtype)
+        if fast and (not arch.plain or any(self.windows)):
+            raise ValueError(f"the fast arithmetic does not run {arch.family} layers ({fast_gaps(arch, served)})")
+        # Decode-only steps run every layer in one C call when all four matrices of every layer are packed (a plain
+        # Llama/Qwen2 layer: the C code knows nothing else).
+        plain = arch.plain and not any(self.windows)
         self._c_layers = None
         packed = []
         for ly in self.layers:
@@ -74,12 +105,12 @@ class LlamaModel:
             if (isinstance(q, PackedWeight | FusedRows) and isinstance(o, PackedWeight | FusedRows)
                     and isinstance(gu, PackedWeight | FusedRows) and isinstance(down, PackedWeight | FusedRows)):
                 packed.append((q, o, gu, down, ly.bqkv, ly.ln1, ly.ln2))
-        if native and len(packed) == len(self.layers):
+        if native and plain and len(packed) == len(self.layers):
             self._c_layers = ops.layer_table(packed)
         # The fast arithmetic runs every step's layers in one C call (forward.c); None: op by op (tests compare).
         self._c_fast = None
         qs = [(ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, ly.bqkv, ly.ln1, ly.ln2) for ly in self.layers]
-        if fast and all(isinstance(w, QWeight) for q in qs for w in q[:4]):  # not when a weight is Dequantized
+        if fast and plain and all(isinstance(w, QWeight) for q in qs for w in q[:4]):  # not when a weight is Dequantized
             self._c_fast = ops.layer_table(qs)  # type: ignore[arg-type]  # Weight narrowed by the check above
 
     @torch.inference_mode()
@@ -98,6 +129,8 @@ class LlamaModel:
             h = F.embedding(input_ids, self.embed)  # (T, E)
         else:
             h = self.embed.rows(input_ids.cpu()).to(device=self.device, dtype=self.dtype)  # (T, E)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         if self.fast and self._c_fast is not None:
             assert meta.spans is not None and meta.tables is not None
             ops.forward_fast(self._c_fast, (a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
@@ -114,16 +147,28 @@ class LlamaModel:
                                a.head_dim, k_cache.shape[2]), a.rms_eps, self.scale, self.cos, self.sin, k_cache,
                                v_cache, h, positions, meta.slot_mapping, meta.decode_pages, meta.decode_kv_lens)
         else:
-            rotate = self._rotary(positions)
+            rotate = self._rotary(positions, self.cos, self.sin)
+            rotate_local = rotate if self.cos_local is self.cos else self._rotary(positions, self.cos_local,
+                                                                                   self.sin_local)
             hd = a.num_heads * a.head_dim
             for i, layer in enumerate(self.layers):
                 x = self._norm(h, layer.ln1)
-                q, k, v = rotate(linear(x, layer.wqkv, layer.bqkv))  # (T, H, D), (T, KVH, D), (T, KVH, D)
-                o = paged_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale, self.native)
-                h = h + linear(o.reshape(t, hd), layer.wo)
+                qkv = linear(x, layer.wqkv, layer.bqkv)  # (T, HD + 2 KD)
+                if layer.q_norm is not None:
+                    assert layer.k_norm is not None
+                    qkv = self._qk_norm(qkv, layer.q_norm, layer.k_norm)
+                windowed = bool(a.layer_windows) and a.layer_windows[i] > 0  # Gemma: its own rope base
+                q, k, v = (rotate_local if windowed else rotate)(qkv)  # (T, H, D), (T, KVH, D), (T, KVH, D)
+                o = paged_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale, self.native, self.windows[i])
+                o = linear(o.reshape(t, hd), layer.wo)
+                h = h + (o if layer.post_attn is None else self._norm(o, layer.post_attn))
                 x = self._norm(h, layer.ln2)
-                h = h + linear(self._swiglu(linear(x, layer.w_gate_up)), layer.w_down)
-        return linear(self._norm(h[logits_rows], self.norm), self.lm_head).float()
+                m = linear(self._gated(linear(x, layer.w_gate_up)), layer.w_down)
+                h = h + (m if layer.post_ffn is None else self._norm(m, layer.post_ffn))
+        logits = linear(self._norm(h[logits_rows], self.norm), self.lm_head).float()
+        if a.final_softcap is not None:
+            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
+        return logits
 
     def _layers_fast(self, h: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMeta) -> torch.Tensor:
@@ -149,13 +194,24 @@ class LlamaModel:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, weight, self.arch.rms_eps) if self.native else rms_norm(x, weight, self.arch.rms_eps)
 
-    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
-        if self.native:
+    def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I): SwiGLU or GeGLU
+        if self.arch.mlp_act == "silu" and self.native:
             return ops.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.arch.mlp_act == "gelu_tanh":
+            return F.gelu(gate, approximate="tanh") * up
         return F.silu(gate) * up
 
-    def _rotary(self, positions: torch.Tensor) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    def _qk_norm(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
+        """qkv (T, HD + 2 KD) -> the same with every q and k head RMS-normed over its D columns (v untouched)."""
+        a = self.arch
+        t, hd, kd = qkv.shape[0], a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        q = self._norm(qkv[:, :hd].reshape(t * a.num_heads, a.head_dim), q_norm)
+        k = self._norm(qkv[:, hd : hd + kd].reshape(t * a.num_kv_heads, a.head_dim), k_norm)
+        return torch.cat([q.view(t, hd), k.view(t, kd), qkv[:, hd + kd :]], dim=1)
+
+    def _rotary(self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor
+                ) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
         """qkv (T, (H + 2 KVH) * D) -> q, k rotated by RoPE at `positions`, and v, as (T, heads, D) views."""
         a = self.arch
         sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
@@ -168,11 +224,11 @@ class LlamaModel:
         if self.native:  # in place on the fused rows, q and k heads in one call
 
             def rotate_native(qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                ops.rope_(qkv, a.num_heads + a.num_kv_heads, a.head_dim, self.cos, self.sin, positions)
+                ops.rope_(qkv, a.num_heads + a.num_kv_heads, a.head_dim, cos_table, sin_table, positions)
                 return heads(*qkv.split(sizes, dim=-1))
 
             return rotate_native
-        cos, sin = self.cos[positions], self.sin[positions]  # (T, D)
+        cos, sin = cos_table[positions], sin_table[positions]  # (T, D)
 
         def rotate_torch(qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
             q, k, v = heads(*qkv.split(sizes, dim=-1))

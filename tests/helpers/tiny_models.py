@@ -119,3 +119,74 @@ def make_tiny_llama(tmp_dir: str | Path, family: str, tie: bool, seed: int = 0) 
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(str(folder))
     return str(folder)
+
+
+# The families of issue 18 beyond Llama/Qwen2, each with what makes it differ switched on in a tiny model.
+TINY_ARCHS = ("llama3", "qwen3", "mistral", "gemma3")
+TINY_WINDOW = 16  # Mistral's and Gemma 3's sliding window in the tiny models: prompts in the tests run past it
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+def make_tiny_arch(tmp_dir: str | Path, kind: str, seed: int = 0, tie: bool | None = None, **overrides: Any) -> str:
+    """Save a seeded tiny `kind` (TINY_ARCHS) model + tokenizer under tmp_dir; return the folder.
+
+    llama3: rope_scaling llama3 (theta 5e5, head_dim 16: high, medium and low frequency bands all present);
+    qwen3: q/k norms, head_dim 32 (not hidden / heads), no biases; mistral: sliding_window TINY_WINDOW on every
+    layer; gemma3: local (window TINY_WINDOW, rope base 1e4) and global (rope 1e6, linear scaling 2) layers,
+    query_pre_attn_scalar 24, GeGLU, sandwich norms, scaled embeddings, final logit softcap 5.
+    tie: None ties the embeddings except for gemma3, whose tiny model, tied, only ever repeats the last token (its
+    scaled embedding outweighs two layers); the real Gemma 3 270M test covers its tied head.
+    overrides: config fields to set instead (e.g. query_pre_attn_scalar=16: a GGUF states none, llama.cpp takes
+    head_dim)."""
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    if kind not in TINY_ARCHS:
+        raise ValueError(f"kind must be one of {TINY_ARCHS}, got {kind!r}")
+    tie = kind != "gemma3" if tie is None else tie
+    folder = Path(tmp_dir) / f"tiny-{kind}-{'tied' if tie else 'untied'}{'-'.join(['', *overrides])}"
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab_size = _save_tokenizer(folder, "qwen2" if kind == "qwen3" else "llama")
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tie, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+        # weights 10x transformers' default: the layers, not the embeddings alone, decide the greedy token (with
+        # 0.02 removing the window or the q/k norms leaves every argmax as it was)
+        "initializer_range": 0.2,
+    }
+    config: Any
+    model_cls: Any
+    if kind == "llama3":
+        config = LlamaConfig(**{**common, "max_position_embeddings": 16384},
+                             rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE})
+        model_cls = LlamaForCausalLM
+    elif kind == "qwen3":
+        config, model_cls = Qwen3Config(**common, head_dim=32, rope_theta=1e6), Qwen3ForCausalLM
+    elif kind == "mistral":
+        config, model_cls = MistralConfig(**common, sliding_window=TINY_WINDOW), MistralForCausalLM
+    else:
+        config = Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 4}, head_dim=16, sliding_window=TINY_WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+            **{"query_pre_attn_scalar": 24, "final_logit_softcapping": 5.0, **overrides})
+        model_cls = Gemma3ForCausalLM
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", ".bias")):  # norms start at 1 (Gemma: 0): perturb them
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(folder))
+    return str(folder)

@@ -170,9 +170,24 @@ def test_hf_config_variants() -> None:
     )
     hash(legacy)
     assert arch_from_hf_config({**base, "model_type": "mistral", "sliding_window": None}, "cfg").family == "llama"
+    # Mistral slides every layer; Qwen2 only with use_sliding_window, from max_window_layers on; Gemma 3 per layer_types
+    mistral = arch_from_hf_config({**base, "model_type": "mistral", "sliding_window": 16}, "cfg")
+    assert mistral.layer_windows == (16,) and mistral.windows(32) == (16,) and mistral.windows(16) == (0,)
+    assert arch_from_hf_config({**base, "model_type": "qwen2", "sliding_window": 16}, "cfg").layer_windows == ()
+    qwen = arch_from_hf_config({**base, "model_type": "qwen2", "num_hidden_layers": 2, "sliding_window": 16,
+                                "use_sliding_window": True, "max_window_layers": 1}, "cfg")
+    assert qwen.layer_windows == (0, 16)
+    gemma = {**base, "model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 8,
+             "hidden_activation": "gelu_pytorch_tanh", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+             "sliding_window_pattern": 6, "query_pre_attn_scalar": 24}
+    g = arch_from_hf_config(gemma, "cfg")  # transformers 4's spelling
+    assert g.layer_windows == (8, 8, 8, 8, 8, 0, 8) and (g.rope_theta, g.local_rope_theta) == (1e6, 1e4)
+    assert (g.qk_norm, g.sandwich_norms, g.mlp_act, g.embed_scale, g.attn_scalar) == (True, True, "gelu_tanh",
+                                                                                     8**0.5, 24.0)
     bad_configs: list[tuple[dict[str, Any], str]] = [
         ({"model_type": "gpt2"}, "model_type='gpt2'"),
-        ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16"),
+        ({**gemma, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True, "layer_types": ["x"]}, "layer_types"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"attention_bias": True}, "attention_bias"),
     ]
