@@ -1,4 +1,4 @@
-.PHONY: setup models serve test lint bench
+.PHONY: setup models serve test test-slow lint bench
 
 setup:
 	bash scripts/setup.sh
@@ -12,6 +12,10 @@ serve: setup
 
 test: setup
 	bash scripts/test.sh
+
+# the opt-in real-model comparisons against transformers (Qwen2.5-Coder 1.5B, Gemma 3 270M; minutes each)
+test-slow: models
+	bash scripts/test.sh -m slow
 
 lint:
 	.venv/bin/ruff check kvseal tests benchmarks

@@ -3,7 +3,7 @@ transformers does (its SentencePiece tokenizer, its architecture) and, with the 
 transformers' fp32 ones on the same dequantized weights, for a prompt longer than its 512-token sliding window.
 
 The comparison loads transformers' copy of the model (about 1 GB of float32) and runs a 600-token prompt: it is
-opt-in, like the other slow real-model comparisons (KVSEAL_SLOW=1, `make test-slow`)."""
+opt-in, like the other slow real-model comparisons (`make test-slow`: pytest -m slow)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kvseal.model.gguf import load_gguf
 from tests.helpers.real_models import real_model
 
 pytestmark = pytest.mark.e2e
-slow = pytest.mark.skipif(not os.environ.get("KVSEAL_SLOW"), reason="slow real-model comparison: KVSEAL_SLOW=1")
+slow = pytest.mark.slow  # deselected by `make test`; `make test-slow` runs them
 NEW = 24
 TEXTS = ["The capital of France is", "  two  spaces\tand a tab\nnew line", "héllo wörld 🤖 日本語のテキスト",
          "<start_of_turn>user\nhi<end_of_turn>\n", "def f(x):\n    return x**2  # squared", "a\u00a0b  \n\n\n   x"]
