@@ -16,6 +16,7 @@ from kvseal.config import GrammarConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.grammar_compiler import CompilerInit
 from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
+from kvseal.engine.sampling import LOGPROB_FLOOR
 from kvseal.engine.structured import Grammars, response_format
 from kvseal.errors import InvalidRequest, KvsealError
 from kvseal.model.checkpoint import Checkpoint
@@ -149,12 +150,12 @@ def test_the_batch_steps_while_a_request_waits_for_its_grammar(tiny: Checkpoint)
         ints = [t for d in out["int"] for t in d.token_ids]
         assert out["int"][-1].final == "stop" and 0 <= json.loads("".join(VOCAB[t] for t in ints[:-1])) <= 99
         # logprobs of the model's own distribution: finite, and the top alternatives are not only what the
-        # grammar allowed (digits, '-', the stop)
+        # grammar allowed (digits, the stop), nor pinned at the floor where a mask would have put them
         lps = [lp for d in out["int"] for lp in d.logprobs or []]
         assert len(lps) == len(ints) and all(math.isfinite(lp.logprob) and lp.logprob <= 0 for lp in lps)
         assert all(math.isfinite(v) for lp in lps for _, v in lp.top)
-        allowed = {1, *(VOCAB.index(c) for c in "-0123456789")}
-        assert any(t not in allowed for lp in lps for t, _ in lp.top)
+        allowed = {1, *(VOCAB.index(c) for c in "0123456789")}
+        assert any(t not in allowed and v > LOGPROB_FLOOR for lp in lps for t, v in lp.top)
         assert e.grammars.pool is not None and e.grammars.pool.killed == 1
         assert e.allocator.num_free == e.pool.num_pages and not e.compiling  # seal 8
     finally:
@@ -173,3 +174,15 @@ def test_a_request_aborted_while_compiling_ends_once(tiny: Checkpoint) -> None:
         assert e.allocator.num_free == e.pool.num_pages
     finally:
         e.grammars.close()
+
+
+def test_logprobs_are_floored_never_minus_infinity() -> None:
+    import torch
+
+    from kvseal.engine.sampling import sample
+
+    logits = torch.tensor([[0.0, float("-inf"), 1.0, -1e30]])
+    _, lps = sample(logits, [SamplingParams(max_tokens=1, temperature=0.0, logprobs=3)], [0], [0])
+    lp = lps[0]
+    assert lp is not None and lp.token_id == 2
+    assert all(math.isfinite(v) and v >= LOGPROB_FLOOR for _, v in lp.top) and len(lp.top) == 3
