@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -45,15 +44,30 @@ class _Child:
     since: float = field(default_factory=time.monotonic)  # when it started, or when its job did
 
 
-def _kill_all(children: list[_Child]) -> None:
+def _kill_all(children: list[_Child], reaping: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL each (xgrammar cannot be interrupted) and leave it to be reaped: waiting here would hold the loop
+    while the kernel tears down a process that imported torch (tens of ms)."""
     for c in children:
         if c.proc.poll() is None:
             c.proc.kill()
-        c.proc.wait()
         for pipe in (c.proc.stdin, c.proc.stdout):
             if pipe is not None:
                 pipe.close()
+        reaping.append(c.proc)
     children.clear()
+
+
+def _reap(reaping: list[subprocess.Popen[bytes]], block: bool = False) -> None:
+    for p in list(reaping):
+        if block:
+            p.wait()
+        if p.poll() is not None:
+            reaping.remove(p)
+
+
+def _close(children: list[_Child], reaping: list[subprocess.Popen[bytes]]) -> None:
+    _kill_all(children, reaping)
+    _reap(reaping, block=True)
 
 
 class GrammarPool:
@@ -61,11 +75,12 @@ class GrammarPool:
         self.size, self.timeout_s, self.start_timeout_s = size, timeout_s, start_timeout_s
         self._init = frame(init)
         self._children: list[_Child] = []
+        self._reaping: list[subprocess.Popen[bytes]] = []  # killed, not yet reaped
         self._queue: list[_Job] = []
         self._done: list[tuple[int, Compiled]] = []
         self.started = 0  # processes started
         self.killed = 0  # processes killed at the time limit
-        weakref.finalize(self, _kill_all, self._children)  # no compiler outlives its pool
+        weakref.finalize(self, _close, self._children, self._reaping)  # no compiler outlives its pool
 
     @property
     def busy(self) -> bool:
@@ -86,11 +101,12 @@ class GrammarPool:
         self._io(wait)
         self._enforce_limits()
         self._dispatch()
+        _reap(self._reaping)
         done, self._done = self._done, []
         return done
 
     def close(self) -> None:
-        _kill_all(self._children)
+        _close(self._children, self._reaping)
         for j in self._queue:
             self._done.append((j.job.job_id, InternalError("the grammar compilers were shut down")))
         self._queue.clear()
@@ -203,10 +219,8 @@ class GrammarPool:
     def _kill(self, c: _Child, why: KvsealError) -> None:
         """End one process (SIGKILL: xgrammar cannot be interrupted) and its job with `why`. One that dies before
         it was ready ends the waiting jobs too: a compiler that cannot start is not retried in a loop."""
-        if c.proc.poll() is None:
-            c.proc.send_signal(signal.SIGKILL)
-        _kill_all([c])
         self._children.remove(c)
+        _kill_all([c], self._reaping)
         if c.job is not None:
             self._done.append((c.job.job.job_id, why))
         elif not c.ready:

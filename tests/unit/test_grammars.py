@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 import pytest
 
@@ -46,11 +47,18 @@ def settle(g: Grammars) -> None:
         g.poll(0.05)
 
 
-def dead(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
+def dead(pid: int, within_s: float = 10.0) -> bool:
+    """Gone, or a zombie waiting to be reaped (the pool reaps killed processes on later polls, never waiting),
+    within a while: SIGKILL takes effect asynchronously."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.01)
     return False
 
 
