@@ -194,3 +194,36 @@ def test_logprobs_are_floored_never_minus_infinity() -> None:
     lp = lps[0]
     assert lp is not None and lp.token_id == 2
     assert all(math.isfinite(v) and v >= LOGPROB_FLOOR for _, v in lp.top) and len(lp.top) == 3
+
+
+def test_decode_holds_verified_kv_until_its_grammar_arrives_then_decodes(tiny: Checkpoint) -> None:
+    from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from kvseal.engine.disagg import DecodeEngine, PrefillEngine
+    from kvseal.lifecycle import State
+
+    cfg = EngineConfig(model=ModelConfig(max_model_len=128), cache=CacheConfig(page_size=4, pool_tokens=256),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=32))
+    p, d = PrefillEngine(cfg, tiny), DecodeEngine(cfg, tiny)
+    p.grammars = TinyGrammars(p.tokenizer, 64, GrammarConfig(grammar_compilers=1))
+    d.grammars = TinyGrammars(d.tokenizer, 64, GrammarConfig(grammar_compilers=1))
+    try:
+        req = GenerateRequest("r", [3, 4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, logprobs=2,
+                                                                   response_format=SMALL), tenant="alice")
+        res = d.reserve(req, timeout_s=60.0, kv_endpoint="tcp://test")  # decode's compile starts here
+        p.add_request(req)
+        while not (ready := p.take_ready()):
+            p.step()
+        manifest, payload = p.package(ready[0], res)
+        assert manifest.first_logprob is not None and all(math.isfinite(v) for _, v in manifest.first_top)
+        d.accept(manifest, payload)  # verified (finite unmasked logprobs pass seal 4); decode's grammar not yet in
+        p.end_handoff("r", None)
+        seq = d.compiling["r"][0]
+        assert seq.life.state is State.VERIFIED and d.allocator.num_owned > 0 and seq not in d.scheduler.waiting
+        out = _drain(d, [])["r"]
+        ints = [t for x in out for t in x.token_ids]
+        assert out[-1].final == "stop" and ints[0] == manifest.first_token
+        assert 0 <= json.loads("".join(VOCAB[t] for t in ints[:-1])) <= 99
+        assert d.allocator.num_free == d.pool.num_pages and p.allocator.num_free == p.pool.num_pages
+    finally:
+        p.grammars.close()
+        d.grammars.close()
