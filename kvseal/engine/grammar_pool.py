@@ -3,8 +3,9 @@
 Nothing here blocks the loop: submit() queues a job; poll() moves bytes through non-blocking pipes, gives waiting
 jobs to idle processes, kills a process whose compile ran past the time limit (its job ends with a 400 naming
 response_format) and returns the jobs that ended. Processes start on demand, up to `size` (a killed or dead one is
-replaced when a job needs it), and sit idle between jobs. A waiting job goes to the tenant with the fewest compiles
-running, then in arrival order: one tenant's slow schemas cannot hold every process while another tenant waits.
+replaced when a job needs it), and sit idle between jobs. A free process takes the waiting job of the tenant with the
+fewest compiles running, then the one served longest ago, then in arrival order: tenants take turns, so one tenant's
+queue of slow schemas delays another tenant's compile by at most one of them per process.
 
 Invariant: a job is in exactly one place: queued, on one process (`_Child.job`), or returned once by poll().
 """
@@ -78,6 +79,8 @@ class GrammarPool:
         self._reaping: list[subprocess.Popen[bytes]] = []  # killed, not yet reaped
         self._queue: list[_Job] = []
         self._done: list[tuple[int, Compiled]] = []
+        self._served: dict[str, int] = {}  # tenant -> the number of its last job given to a process
+        self._dispatched = 0
         self.started = 0  # processes started
         self.killed = 0  # processes killed at the time limit
         weakref.finalize(self, _close, self._children, self._reaping)  # no compiler outlives its pool
@@ -119,8 +122,10 @@ class GrammarPool:
                 for other in self._children:
                     if other.job is not None:
                         running[other.job.tenant] = running.get(other.job.tenant, 0) + 1
-                j = min(self._queue, key=lambda q: running.get(q.tenant, 0))  # min() keeps the first of a tie
-                self._queue.remove(j)
+                j = min(self._queue, key=lambda q: (running.get(q.tenant, 0), self._served.get(q.tenant, -1)))
+                self._queue.remove(j)  # min() keeps the first of a tie: arrival order
+                self._served[j.tenant] = self._dispatched
+                self._dispatched += 1
                 c.job, c.since = j, time.monotonic()
                 c.outbuf += frame(j.job)
         starting = sum(not c.ready for c in self._children)

@@ -227,3 +227,19 @@ def test_decode_holds_verified_kv_until_its_grammar_arrives_then_decodes(tiny: C
     finally:
         p.grammars.close()
         d.grammars.close()
+
+
+def test_tenants_take_turns_for_a_compiler() -> None:
+    g = grammars(grammar_compilers=1, grammar_timeout_s=0.5)
+    slow2 = response_format("json_schema", {"type": "string", "pattern": "[0-9]{8001}"})
+    try:
+        g.compiled("bob", SLOW)
+        g.compiled("bob", slow2)
+        g.compiled("alice", SMALL)  # after both of bob's: served after his first, before his second
+        while g.compiled("alice", SMALL) is None:
+            g.poll(0.05)
+        assert isinstance(g.compiled("bob", SLOW), InvalidRequest) and g.compiled("bob", slow2) is None
+        settle(g)
+        assert isinstance(g.compiled("bob", slow2), InvalidRequest)
+    finally:
+        g.close()
