@@ -157,6 +157,10 @@ class Engine:
             "pages_scrubbed": self.pages_scrubbed,
             "ownership_violations": self.ownership_violations,
             "ledger": None if self.ledger is None else str(self.ledger.path),
+            # response_format: requests waiting for their grammar, compiler processes, compiles killed at the limit
+            "waiting_for_grammar": len(self.compiling),
+            "grammar_compilers": 0 if self.grammars.pool is None else len(self.grammars.pool.pids),
+            "grammar_compiles_killed": 0 if self.grammars.pool is None else self.grammars.pool.killed,
         }
 
     def has_work(self) -> bool:

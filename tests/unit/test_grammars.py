@@ -165,6 +165,7 @@ def test_the_batch_steps_while_a_request_waits_for_its_grammar(tiny: Checkpoint)
         allowed = {1, *(VOCAB.index(c) for c in "0123456789")}
         assert any(t not in allowed and v > LOGPROB_FLOOR for lp in lps for t, v in lp.top)
         assert e.grammars.pool is not None and e.grammars.pool.killed == 1
+        assert e.info()["grammar_compiles_killed"] == 1 and e.info()["waiting_for_grammar"] == 0
         assert e.allocator.num_free == e.pool.num_pages and not e.compiling  # seal 8
     finally:
         e.grammars.close()
