@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING
 
 from kvseal.auth.curve import check_bind
 from kvseal.auth.options import add_fleet_key_args, add_keys_command, add_kv_channel_arg, member_keys, peer
-from kvseal.config import CacheConfig, EngineConfig, LedgerConfig, ModelConfig, SchedulerConfig, ServerConfig
+from kvseal.config import (
+    CacheConfig,
+    EngineConfig,
+    GrammarConfig,
+    LedgerConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
 from kvseal.errors import KvsealError
 
 if TYPE_CHECKING:
@@ -77,6 +85,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a request waiting for KV pages gets 503 when no page at all was freed for this many "
                         "seconds (a busy worker that frees pages is waited out)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed")
+    p.add_argument("--grammar-compilers", type=int, default=0, metavar="N",
+                   help="processes that compile response_format grammars, off the engine's loop (started on the "
+                        "first constrained request, idle unless compiling, at a lower CPU priority than the engine); "
+                        "0: one per two cores, at most 2")
+    p.add_argument("--grammar-timeout", type=float, default=30.0,
+                   help="seconds a response_format grammar may take to compile; past it its process is killed and "
+                        "replaced, and the request gets 400 (param response_format)")
+    p.add_argument("--grammar-max-bytes", type=int, default=64 * 1024,
+                   help="a response_format schema larger than this is refused with 400 before anything compiles")
     add_ledger_arg(p)
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch and the kernels in this process (default: `kvseal serve` splits the "
@@ -118,6 +135,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                                   max_waiting=a.max_waiting, wait_timeout_s=a.wait_timeout),
         seed=a.seed,
         ledger=LedgerConfig(ledger_path(a)),
+        grammar=GrammarConfig(grammar_compilers=a.grammar_compilers, grammar_timeout_s=a.grammar_timeout,
+                              grammar_max_bytes=a.grammar_max_bytes),
     )
 
 

@@ -103,9 +103,32 @@ class LedgerConfig:
 
 
 @dataclass(frozen=True)
+class GrammarConfig:
+    """response_format grammars (engine/structured.py): compiled off the engine's loop, in child processes."""
+
+    # compiler processes, started on the first constrained request and idle unless compiling; 0: auto, one per two
+    # cores, at most 2 (a compile takes a core; the engine's steps, at a higher priority, come first)
+    grammar_compilers: int = 0
+    grammar_timeout_s: float = 30.0  # a compile past this kills its process; the request gets 400 response_format
+    grammar_max_bytes: int = 64 * 1024  # a larger schema gets 400 response_format before anything compiles
+
+    def __post_init__(self) -> None:
+        _need(0 <= self.grammar_compilers <= 64, "grammar_compilers", self.grammar_compilers,
+              "give 0 (auto: one per two cores, at most 2) to 64 processes")
+        _need(self.grammar_timeout_s > 0, "grammar_timeout_s", self.grammar_timeout_s, "give a positive number of "
+              "seconds")
+        _need(self.grammar_max_bytes > 0, "grammar_max_bytes", self.grammar_max_bytes, "give a positive size")
+
+    @property
+    def compilers(self) -> int:
+        return self.grammar_compilers or min(2, max(1, (os.cpu_count() or 1) // 2))
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     seed: int = 0
     ledger: LedgerConfig = LedgerConfig()
+    grammar: GrammarConfig = GrammarConfig()

@@ -6,9 +6,9 @@ SamplingParams(...))` and `LLM.chat(messages, ...)`, in this process, on the sam
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     print(out[0].outputs[0].text, out[0].outputs[0].token_ids, out[0].outputs[0].finish_reason)
 
-engine_options are the fields of kvseal.config's ModelConfig, CacheConfig and SchedulerConfig by name (dtype,
-kernels, arithmetic, max_model_len, page_size, pool_tokens, kv_dtype, prefix_cache, max_num_batched_tokens, ...)
-and `seed`. A request the engine refuses raises its error (kvseal.errors.KvsealError), never a stand-in output.
+engine_options are the fields of kvseal.config's ModelConfig, CacheConfig, SchedulerConfig and GrammarConfig by
+name (dtype, kernels, arithmetic, max_model_len, page_size, pool_tokens, kv_dtype, prefix_cache,
+max_num_batched_tokens, grammar_timeout_s, ...) and `seed`. A request the engine refuses raises its error (kvseal.errors.KvsealError), never a stand-in output.
 With n > 1 the first sample computes the prompt and the others start once it is in the prefix cache, so the
 samples share the prompt's pages; each sample has its own seed stream (engine/sampling.sample_seed).
 """
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvseal.config import CacheConfig, EngineConfig, GrammarConfig, ModelConfig, SchedulerConfig
 from kvseal.engine import messages as M
 from kvseal.engine.engine import Engine
 from kvseal.engine.sampling import sample_seed
@@ -93,17 +93,19 @@ class RequestOutput:
 
 def engine_config(model: str | None, options: dict[str, Any]) -> EngineConfig:
     """EngineConfig from keyword options named like the config fields; an unknown name is a TypeError."""
-    parts: dict[str, dict[str, Any]] = {"model": {"path": model}, "cache": {}, "scheduler": {}}
+    parts: dict[str, dict[str, Any]] = {"model": {"path": model}, "cache": {}, "scheduler": {}, "grammar": {}}
     seed = options.pop("seed", 0)
-    for name, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+    for name, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
+                      ("grammar", GrammarConfig)):
         for f in dataclasses.fields(cls):
             if f.name in options:
                 parts[name][f.name] = options.pop(f.name)
     if options:
         raise TypeError(f"LLM() got unknown engine options {sorted(options)}; give fields of kvseal.config's "
-                        f"ModelConfig, CacheConfig or SchedulerConfig, or seed")
+                        f"ModelConfig, CacheConfig, SchedulerConfig or GrammarConfig, or seed")
     return EngineConfig(model=ModelConfig(**parts["model"]), cache=CacheConfig(**parts["cache"]),
-                        scheduler=SchedulerConfig(**parts["scheduler"]), seed=seed)
+                        scheduler=SchedulerConfig(**parts["scheduler"]), seed=seed,
+                        grammar=GrammarConfig(**parts["grammar"]))
 
 
 class LLM:

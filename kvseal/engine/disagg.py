@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, TokenLogprob
@@ -286,7 +287,7 @@ class DecodeEngine(Engine):
         the ones decoding into preemption (their KV dropped and recomputed here)."""
         owed = sum(max(pages_for(s.num_tokens + 1, self.pool.page_size) - len(s.pages), 0)
                    for s in self.scheduler.waiting)
-        growing = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self.reserved)
+        growing = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self.reserved) + len(self.compiling)
         return self.allocator.num_free - owed - growing
 
     def admit_verified(self, request_id: str, first_token: int, first_logprob: TokenLogprob | None) -> None:
@@ -294,6 +295,10 @@ class DecodeEngine(Engine):
         seq, _ = self.reserved.pop(request_id)
         seq.life.advance(State.VERIFIED)
         seq.num_computed = len(seq.prompt_ids)
+        # its grammar started compiling at the reservation; should it still be compiling, seq waits (KV held)
+        self._with_grammar(seq, partial(self._join_batch, seq, first_token, first_logprob))
+
+    def _join_batch(self, seq: Sequence, first_token: int, first_logprob: TokenLogprob | None) -> None:
         seq.first_scheduled = time.monotonic()
         self.scheduler.waiting.append(seq)
         self._append(seq, first_token, first_logprob)

@@ -105,8 +105,12 @@ class Engine:
         self.context_window = min(model_window, self.pool.capacity_tokens)
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, cfg.cache.page_size, self.prefix_cache)
         self.runner = ModelRunner(self.model, self.pool, self.allocator)
-        self.grammars = Grammars(self.tokenizer, arch.vocab_size)  # response_format (engine/structured.py)
+        self.grammars = Grammars(self.tokenizer, arch.vocab_size, cfg.grammar)  # response_format (structured.py)
         self.seqs: dict[str, Sequence] = {}
+        # admitted, holding no pages (decode: verified, holding its KV), waiting for their grammar to compile:
+        # request id -> (seq, what to do with it once its matcher is set). Outside the scheduler: the batch keeps
+        # stepping meanwhile
+        self.compiling: dict[str, tuple[Sequence, Callable[[], None]]] = {}
         self._out: list[GenerateDelta] = []
         self._rng = torch.Generator().manual_seed(cfg.seed)
         # (threads for small steps, threads for steps of at least `big` tokens, big): an engine that shares its
@@ -153,11 +157,15 @@ class Engine:
             "pages_scrubbed": self.pages_scrubbed,
             "ownership_violations": self.ownership_violations,
             "ledger": None if self.ledger is None else str(self.ledger.path),
+            # response_format: requests waiting for their grammar, compiler processes, compiles killed at the limit
+            "waiting_for_grammar": len(self.compiling),
+            "grammar_compilers": 0 if self.grammars.pool is None else len(self.grammars.pool.pids),
+            "grammar_compiles_killed": 0 if self.grammars.pool is None else self.grammars.pool.killed,
         }
 
     def has_work(self) -> bool:
         """True while a step would do something: sequences to run or outputs to hand out."""
-        return self.scheduler.num_unfinished > 0 or bool(self._out)
+        return self.scheduler.num_unfinished > 0 or bool(self._out) or bool(self.compiling) or self.grammars.busy
 
     # -- requests ------------------------------------------------------------------------------------
     def validate(self, num_prompt: int, max_tokens: int) -> None:
@@ -176,7 +184,36 @@ class Engine:
     def add_request(self, req: GenerateRequest) -> None:
         seq = self._admit(req)
         if seq is not None:
-            self.scheduler.add(seq)
+            self._with_grammar(seq, partial(self.scheduler.add, seq))
+
+    def _with_grammar(self, seq: Sequence, then: Callable[[], None]) -> None:
+        """Run `then` once seq's grammar is compiled and its matcher set (at once without a response_format or with
+        the tenant's cached grammar); until then seq waits in `compiling`. A format that cannot be enforced ends
+        seq (REJECTED before it ran, FAILED after: decode holds its verified KV then)."""
+        fmt = seq.params.response_format
+        if fmt is None or seq.grammar is not None:
+            then()
+            return
+        got = self.grammars.compiled(seq.tenant, fmt)
+        if got is None:
+            self.compiling[seq.request_id] = (seq, then)
+        elif isinstance(got, KvsealError):
+            self.compiling.pop(seq.request_id, None)
+            end = seq.life.reject if seq.life.state in (State.ADMITTED, State.RESERVED) else seq.life.fail
+            self._end(seq, partial(end, got))
+        else:
+            self.compiling.pop(seq.request_id, None)
+            seq.grammar = self.grammars.matcher(got)
+            then()
+
+    def _grammars_arrived(self) -> None:
+        """Take in the compiles that ended; the requests that waited for them join the batch (or end). With nothing
+        else to run, waits a little for one (the loop would only spin)."""
+        if not self.grammars.busy:
+            return
+        if self.grammars.poll(wait=0.0 if self.scheduler.num_unfinished else 0.02):
+            for seq, then in list(self.compiling.values()):
+                self._with_grammar(seq, then)
 
     def _admit(self, req: GenerateRequest) -> Sequence | None:
         """Validate and register a request (ADMITTED); a refusal ends it REJECTED with its final delta."""
@@ -195,12 +232,12 @@ class Engine:
                 raise InvalidRequest(f"request id {req.request_id!r} is already in use")
             self.validate(len(req.prompt_ids), req.params.max_tokens)
             check_sampling(req.params)
-            if len(self.scheduler.waiting) >= self.cfg.scheduler.max_waiting:
+            if len(self.scheduler.waiting) + len(self.compiling) >= self.cfg.scheduler.max_waiting:
                 raise Overloaded("the server is overloaded: too many queued requests; retry later")
             if any(t < 0 or t >= self.arch.vocab_size for t in req.prompt_ids):
                 raise InvalidRequest("a prompt token id is outside the vocabulary", param="prompt")
-            if req.params.response_format is not None:
-                seq.grammar = self.grammars.matcher(req.params.response_format)
+            if req.params.response_format is not None:  # too large or malformed: refused here, nothing compiles
+                self.grammars.compiled(req.tenant, req.params.response_format)  # starts its compile
         except KvsealError as err:
             seq.life.reject(err)
             self._out.append(self._final(seq))
@@ -237,6 +274,7 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------------------------
     def step(self) -> list[GenerateDelta]:
+        self._grammars_arrived()
         now = time.monotonic()
         for seq in self.scheduler.expired(now):
             self._end(seq, partial(seq.life.reject, Overloaded(
@@ -264,10 +302,13 @@ class Engine:
                 if seq.cache_keys and seq.num_computed - n < len(seq.prompt_ids) <= seq.num_computed:
                     self._cache_prompt(seq)
             if result.logits is not None:
+                # logprobs from the model's own distribution, not the grammar's mask (as vLLM): the unmasked rows
+                raw = result.logits.clone() if any(s.grammar is not None and s.params.logprobs is not None
+                                                   for s in result.sampled) else result.logits
                 self.grammars.mask(result.logits, [s.grammar for s in result.sampled])
                 tokens, lps = sample(result.logits, [s.params for s in result.sampled],
                                      [s.seed for s in result.sampled],
-                                     [len(s.output_ids) for s in result.sampled])
+                                     [len(s.output_ids) for s in result.sampled], raw)
                 for seq, tok, lp in zip(result.sampled, tokens, lps):
                     self._on_sampled(seq, tok, lp)
         out, self._out = self._out, []
@@ -331,6 +372,7 @@ class Engine:
         """Move seq to a terminal state, free (and scrub) its pages, then emit its one final delta."""
         if not terminate():
             return
+        self.compiling.pop(seq.request_id, None)
         self.scheduler.remove(seq)
         self.seqs.pop(seq.request_id, None)
         if self.forensics is not None:

@@ -7,6 +7,9 @@ import torch
 from kvseal.engine.messages import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
+# the least logprob reported: a token the model gives (nearly) no mass still gets a finite number, never the
+# -Infinity that JSON cannot carry and that a peer's manifest check refuses
+LOGPROB_FLOOR = -9999.0
 
 
 def draw_seed(seed: int, index: int) -> int:
@@ -34,9 +37,10 @@ def sample(
     params: list[SamplingParams],
     seeds: list[int],  # per row: the request's seed (ignored for greedy rows)
     indices: list[int],  # per row: how many tokens the request has already generated
+    raw: torch.Tensor | None = None,  # (B, V): the model's logits before any grammar mask, for logprobs
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row. Greedy rows take the argmax; the others draw from a generator seeded by
-    draw_seed(seed, index)."""
+    draw_seed(seed, index). Logprobs (and the top k) come from `raw` (default: logits), at least LOGPROB_FLOOR."""
     tokens: list[int] = [0] * logits.shape[0]
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if greedy_rows:
@@ -64,7 +68,8 @@ def sample(
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
-        lp = torch.log_softmax(logits[want], dim=-1)  # logprobs of the model's raw distribution
+        src = logits if raw is None else raw
+        lp = torch.log_softmax(src[want].float(), dim=-1).clamp_(min=LOGPROB_FLOOR)  # the model's raw distribution
         for j, i in enumerate(want):
             k = params[i].logprobs or 0
             top: list[tuple[int, float]] = []

@@ -19,7 +19,6 @@ from fastapi import FastAPI
 
 from kvseal import __version__
 from kvseal.config import ServerConfig
-from kvseal.engine.structured import Grammars
 from kvseal.router.backend import Backend
 from kvseal.router.bodylimit import BodyLimit
 from kvseal.router.http_errors import install_error_handlers
@@ -40,7 +39,6 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="kvseal", version=__version__, lifespan=lifespan)
     app.state.backend = backend  # the routes read it through routes/deps.py
-    app.state.grammars = Grammars(backend.tokenizer, backend.tokenizer.vocab_size)  # response_format checks
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
     app.state.tenant_figures = new_figures()  # each tenant's own requests, for its /info (router/tenantview.py)
     app.add_middleware(TenantFigures, figures=app.state.tenant_figures)  # inside TenantAuth: knows the tenant

@@ -205,6 +205,7 @@ class WorkerServer:
     def close(self) -> None:
         if self.join is not None:
             self.join.close()
+        self.engine.grammars.close()  # its compiler processes end with it
         self.ctrl.close(0)
         if self.zap is not None:
             self.zap.stop()

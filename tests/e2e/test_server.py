@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import Iterator
 
@@ -197,6 +198,39 @@ def test_response_format_json_schema_is_valid_json_for_the_schema(client: openai
                                               messages=[{"role": "user", "content": "Describe a person."}],
                                               stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == r.choices[0].message.content
+
+
+def _strict_json(text: str) -> object:
+    def refuse(name: str) -> object:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)  # Python's json would take -Infinity and NaN
+
+
+def test_response_format_with_logprobs_reports_the_models_own_finite_logprobs(server: Server) -> None:
+    """Logprobs of the unmasked distribution (as vLLM): finite, and where the grammar forced a token the model
+    did not prefer, its preferred one shows above it. Streamed: every event strict JSON."""
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 80, "logprobs": True, "top_logprobs": 3,
+            "messages": [{"role": "user", "content": "Describe a person."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = _strict_json(r.text)["choices"][0]  # type: ignore[index]
+    person = json.loads(choice["message"]["content"])
+    assert list(person) == ["name", "age", "colors"]
+    content = choice["logprobs"]["content"]
+    values = [e["logprob"] for e in content] + [t["logprob"] for e in content for t in e["top_logprobs"]]
+    assert all(math.isfinite(v) and v <= 0 for v in values) and all(len(e["top_logprobs"]) == 3 for e in content)
+    assert any(e["top_logprobs"][0]["logprob"] > e["logprob"] for e in content)  # a token the grammar forced
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+        assert s.status_code == 200
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [_strict_json(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])  # type: ignore[index]
+    streamed = [e["logprob"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]  # type: ignore[index]
+                for e in c["choices"][0]["logprobs"]["content"]]  # type: ignore[index]
+    assert text == choice["message"]["content"] and streamed == [e["logprob"] for e in content]
 
 
 def test_response_format_json_object(client: openai.OpenAI) -> None:

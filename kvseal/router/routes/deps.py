@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from kvseal.engine.structured import Grammars
 from kvseal.errors import ModelNotFound
 from kvseal.router.backend import Backend
 
@@ -12,11 +11,6 @@ from kvseal.router.backend import Backend
 def backend_of(request: Request) -> Backend:
     backend: Backend = request.app.state.backend  # set by router/api.build_app
     return backend
-
-
-def grammars_of(request: Request) -> Grammars:
-    grammars: Grammars = request.app.state.grammars  # set by router/api.build_app
-    return grammars
 
 
 def tenant_of(request: Request) -> str:

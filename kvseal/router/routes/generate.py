@@ -6,7 +6,6 @@ request of its own, started by router/fanout.py so that the samples share the pr
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import msgspec
@@ -22,7 +21,7 @@ from kvseal.router.fanout import Deltas, Fanout
 from kvseal.router.openai_format import ResponseBuilder
 from kvseal.router.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
 from kvseal.router.requestlog import trace_of
-from kvseal.router.routes.deps import backend_of, check_model, grammars_of, tenant_of
+from kvseal.router.routes.deps import backend_of, check_model, tenant_of
 from kvseal.router.text import encode_text, render_chat
 
 router = APIRouter()
@@ -60,15 +59,14 @@ async def completion_prompt(backend: Backend, body: CompletionRequest) -> list[i
     return ids
 
 
-async def response_format_of(request: Request, body: ChatCompletionRequest | CompletionRequest
-                             ) -> ResponseFormat | None:
-    """The body's response_format for the engine (None: free text), refused here if it cannot be enforced."""
+def response_format_of(body: ChatCompletionRequest | CompletionRequest) -> ResponseFormat | None:
+    """The body's response_format for the engine (None: free text). Its grammar is compiled by the workers, each
+    in its own compiler processes with a size and a time limit (engine/grammar_pool.py), which refuse a format
+    they cannot enforce with a 400 naming it; nothing compiles here (no router thread is held by a slow schema)."""
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
         return None
-    rf = response_format(fmt.type, fmt.json_schema.schema_ if fmt.json_schema is not None else None)
-    await asyncio.to_thread(grammars_of(request).check, rf)  # the first one imports xgrammar: off the loop
-    return rf
+    return response_format(fmt.type, fmt.json_schema.schema_ if fmt.json_schema is not None else None)
 
 
 @router.post("/v1/chat/completions")
@@ -102,7 +100,7 @@ async def run(request: Request, body: ChatCompletionRequest | CompletionRequest,
             f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
             f"Please reduce the length of the prompt or completion.", param="messages" if chat else "prompt")
     params = SamplingParams(
-        response_format=await response_format_of(request, body),
+        response_format=response_format_of(body),
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
