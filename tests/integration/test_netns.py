@@ -319,8 +319,10 @@ def test_nixl_link_cut_while_decode_reads_fails_cleanly_and_releases_the_pinned_
     """NIXL only: the KV link is cut while decode's READ is in flight (the link slowed to 40 Mbit/s so the read
     of ~200 tokens takes a couple of seconds). At the read's deadline the request ends (the client gets a clean
     502/504 while the link is still down), but decode's pages stay pinned, reported as a read past its deadline,
-    until UCX reports the read failed; only then are they scrubbed and freed: nothing is admitted, and both pools
-    are back at baseline with the link still down."""
+    for as long as UCX cannot say the read is over: over TCP with the link down it says nothing (keepalive or
+    not, measured: not within 90 s), and the pages are never freed on a timer. Once the link is back the read
+    ends (UCX reports it over), and only then are they scrubbed and freed: nothing is admitted, both pools return
+    to baseline."""
     w = fleet.workers()
     assert w["decode"]["kv_transport"] == "nixl"
     h = fleet.hosts
@@ -356,12 +358,19 @@ def test_nixl_link_cut_while_decode_reads_fails_cleanly_and_releases_the_pinned_
         assert r.status_code in (502, 504), f"{r.status_code}: {r.text[:500]}"
         err = r.json()["error"]
         assert err["code"] in ("transfer_timeout", "worker_failed"), err
+        held = fleet.worker_info_fresh()["decode"]  # the link still down: the read is not over, its pages held
+        assert held["kv_quarantined"] >= 1 and held["kv_reads_overdue"] >= 1, held
+        assert held["free_pages"] < held["pool_pages"], held
+        assert fleet.at_baseline() is not True
+        h.in_ns("prefill", "ip", "link", "set", dev, "up")
+        h.in_ns("prefill", "tc", "qdisc", "del", "dev", dev, "root", check=False)
+
         def watch() -> bool:
             nonlocal overdue_seen
             overdue_seen = max(overdue_seen, fleet.workers()["decode"].get("kv_reads_overdue", 0))
             return fleet.at_baseline() is True
 
-        wait_until(watch, 90, "pools back to baseline with the link down (UCX reports the read failed)")
+        wait_until(watch, 90, "pools back to baseline once the link is back (the read is over)")
         after = fleet.worker_info_fresh()
         assert after["decode"]["transfers_acked"] == before["decode"]["transfers_acked"]  # nothing admitted
         assert after["decode"]["kv_landing"] == 0 and after["decode"]["kv_quarantined"] == 0
