@@ -275,7 +275,7 @@ def run_one(mutation: Mutation, root: Path = ROOT) -> Result:
             return Result(seal, "stale", 0.0, f"snippet not found exactly once in {rel}: update this script")
         path.write_text(src.replace(old, new))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), *filter(None, [os.environ.get("PYTHONPATH")])]))
-        env["KVSEAL_TEST_READY_TIMEOUT"] = "90"  # a mutation that keeps the fleet from forming fails in 90 s, not 180
+        env["KVSEAL_TEST_READY_TIMEOUT"] = "60"  # a mutation that keeps the fleet from forming fails in 60 s, not 180
         env.pop("PYTEST_ADDOPTS", None)
         env.pop("PYTEST_CURRENT_TEST", None)
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
@@ -297,8 +297,16 @@ def run(mutations: Sequence[Mutation], root: Path = ROOT, echo: bool = True, job
             print(f"[seal {res.seal}] {m[1]}: {res.verdict} in {res.seconds:.0f}s ({res.detail})", flush=True)
         return res
 
+    # the longest first (a kernel rebuilt in the copy, real processes started), so the jobs end together
+    order = sorted(range(len(mutations)), key=lambda i: -_expected_cost(mutations[i]))
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(one, mutations))
+        done = dict(zip(order, pool.map(one, [mutations[i] for i in order])))
+    return [done[i] for i in range(len(mutations))]
+
+
+def _expected_cost(m: Mutation) -> int:
+    """A rough rank of a mutation's run time: C kernels rebuild (slowest), then tests that start processes."""
+    return 2 * m[1].endswith(".c") + any(t.startswith(("tests/integration", "tests/e2e")) for t in m[4])
 
 
 def main() -> int:
