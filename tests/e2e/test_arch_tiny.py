@@ -15,24 +15,12 @@ from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.gguf import load_gguf
 from kvseal.model.loader import load_checkpoint
 from tests.helpers.tiny_gguf import write_tiny_gguf
-from tests.helpers.tiny_models import TINY_WINDOW, make_tiny_arch
+from tests.helpers.tiny_models import TINY_WINDOW, hf_greedy, make_tiny_arch
 
 pytestmark = pytest.mark.e2e
 NEW = 20
 PROMPT_LENS = (5, 37, 90)  # 37 and 90 pass the window of 16; 90 is prefilled in chunks of 32
 
-
-def hf_greedy(folder: str, prompts: list[list[int]], new: int = NEW) -> list[list[int]]:
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for ids in prompts:
-            seq = list(ids)
-            for _ in range(new):
-                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-            out.append(seq[len(ids):])
-    return out
 
 
 def prompts_for(ck: Checkpoint, seed: int = 3) -> list[list[int]]:
@@ -59,7 +47,7 @@ def test_hf_folder_equals_transformers(tiny_dir: Path, kind: str, kernels: str) 
     folder = make_tiny_arch(tiny_dir, kind)
     ck = load_checkpoint(folder, progress=False)
     prompts = prompts_for(ck)
-    expected = hf_greedy(folder, prompts)
+    expected = hf_greedy(folder, prompts, NEW)
     assert all(len(set(seq)) >= 5 for seq in expected)  # real continuations, not one repeated token
     if kind in ("mistral", "gemma3"):
         assert TINY_WINDOW in ck.arch.layer_windows and max(PROMPT_LENS) + NEW > 2 * TINY_WINDOW
@@ -82,6 +70,6 @@ def test_gguf_equals_transformers(tiny_dir: Path, kind: str) -> None:
     if kind == "llama3":  # the divisors were recognised as HF's llama3 scaling
         assert dict(ck.arch.rope_scaling or ())["rope_type"] == "llama3"
     prompts = prompts_for(ck)
-    expected = hf_greedy(folder, prompts)
+    expected = hf_greedy(folder, prompts, NEW)
     assert all(len(set(seq)) >= 5 for seq in expected)
     assert kvseal_greedy(ck, prompts, "native") == expected

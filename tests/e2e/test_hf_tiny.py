@@ -10,23 +10,11 @@ import torch
 
 from kvseal import LLM, SamplingParams
 from kvseal.model.loader import load_checkpoint
-from tests.helpers.tiny_models import make_tiny_llama
+from tests.helpers.tiny_models import hf_greedy, make_tiny_llama
 
 pytestmark = pytest.mark.e2e
 NEW = 24
 
-
-def _hf_greedy(folder: str, prompts: list[list[int]]) -> list[list[int]]:
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for ids in prompts:
-            seq = list(ids)
-            for _ in range(NEW):
-                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-            out.append(seq[len(ids):])
-    return out
 
 
 @pytest.mark.parametrize("kernels", ["torch", "native"])
@@ -36,7 +24,7 @@ def test_engine_equals_transformers_on_tiny_hf_models(tmp_path: Path, family: st
     ck = load_checkpoint(folder, progress=False)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, ck.arch.vocab_size, (n,), generator=g).tolist() for n in (5, 37, 90)]
-    expected = _hf_greedy(folder, prompts)
+    expected = hf_greedy(folder, prompts, NEW)
     assert len({t for seq in expected for t in seq}) > 1  # a real continuation, not one repeated token
     llm = LLM(checkpoint=ck, kernels=kernels, arithmetic="exact", page_size=8, pool_tokens=1024,
               max_num_batched_tokens=32)

@@ -190,3 +190,18 @@ def make_tiny_arch(tmp_dir: str | Path, kind: str, seed: int = 0, tie: bool | No
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(str(folder))
     return str(folder)
+
+
+def hf_greedy(folder: str, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' fp32 greedy ids for each prompt, recomputing the whole sequence each step (no KV cache)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            seq = list(ids)
+            for _ in range(new):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            out.append(seq[len(ids):])
+    return out
