@@ -24,11 +24,25 @@ class LoopbackFleet:
         # with faults: the whole fleet runs with the same (runtime-changeable) test faults, `self.faults.set`
         self.faults = FaultFile() if faults else None
         shared = self.faults.args() if self.faults else []
-        self.prefill = Worker("prefill", [*args, *(prefill or []), *shared]).ready()
-        self.decode = Worker("decode", [*args, *(decode or []), *shared]).ready()
         self.extra: list[Proc] = []  # more processes the tests started; stopped with the fleet
-        self.router = Server(["--prefill", self.prefill.endpoint, "--decode", self.decode_endpoint(),
-                              *(router or []), *shared], command="router").ready()
+        started: list[Proc] = []
+        try:  # a fleet that never forms stops what it started (a router left behind would run on for ever)
+            self.prefill = Worker("prefill", [*args, *(prefill or []), *shared])
+            started.append(self.prefill)
+            self.prefill.ready()
+            self.decode = Worker("decode", [*args, *(decode or []), *shared])
+            started.append(self.decode)
+            self.decode.ready()
+            self.router = Server(["--prefill", self.prefill.endpoint, "--decode", self.decode_endpoint(),
+                                  *(router or []), *shared], command="router")
+            started.append(self.router)
+            self.router.ready()
+        except BaseException:
+            for proc in started:
+                proc.stop()
+            if self.faults is not None:
+                self.faults.remove()
+            raise
         self.client = openai.OpenAI(base_url=self.router.url + "/v1", api_key="x", max_retries=0, timeout=300)
 
     def decode_endpoint(self) -> str:
