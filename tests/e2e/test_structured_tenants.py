@@ -2,8 +2,9 @@
 
 Alice streams greedy tokens (from a disaggregated fleet, and from one unified process) while Bob sends a 41-byte schema whose grammar takes
 seconds to compile. Grammars compile in killable processes off the workers' loops, so Alice's worst gap while
-Bob's compile runs stays within 3 of her own decode steps (her median gap in the same stream, never an absolute
-time; on a host busy with other work, within twice the worst gap her stream shows outside Bob's compile), and Bob
+Bob's compile runs stays within 3 of her own decode steps (her median gap in the same stream; on a host busy with
+other work, within twice the worst gap her stream shows outside Bob's compile; never less than a fifth of the
+compile limit, as Bob's compiler process takes one of two cores), and Bob
 gets a 400 naming response_format when his compile passes the limit. A compile on a worker's loop would stall her
 for the whole compile.
 """
@@ -92,8 +93,11 @@ def test_a_slow_schema_of_one_tenant_does_not_stall_another_tenants_stream(serve
     assert len(outside) >= 50, f"too few of alice's tokens outside bob's compile ({len(outside)})"
     # A step is alice's median gap: at most 3 of them. A host busy with other work stalls her stream now and then
     # whatever bob does; that jitter, seen outside bob's window in the same stream, widens the budget to twice the
-    # worst gap there. A compile on a worker's loop would stall her for the whole compile (at least TIMEOUT_S).
-    budget = max(3 * median, 2 * max(outside))
+    # worst gap there. Bob's compiler process burns a whole core for the whole window, and on 2 cores it competes
+    # with the router and both workers: CI saw a 41 ms gap with an 8 ms median and 15 ms outside. None of that is a
+    # stall of her loop; a compile on a worker's loop would stall her for the whole compile (at least TIMEOUT_S), so
+    # the budget never goes below a fifth of it, still five times short of what the broken design does.
+    budget = max(3 * median, 2 * max(outside), TIMEOUT_S / 5)
     worst = max(during)
     at = next(a - start for a, b in gaps if b - a == worst)
     assert worst <= budget, (f"alice stalled {worst * 1000:.0f} ms during bob's compile; her median step "
