@@ -1,4 +1,4 @@
-.PHONY: setup models serve test test-slow lint bench
+.PHONY: setup models serve test test-slow lint bench image
 
 setup:
 	bash scripts/setup.sh
@@ -23,3 +23,7 @@ lint:
 
 bench: setup
 	.venv/bin/python -m benchmarks.engine_vs_hf
+
+# the OCI image localhost/kvseal:latest, built offline with podman (scripts/image.sh; docs/deploy.md)
+image: setup
+	bash scripts/image.sh

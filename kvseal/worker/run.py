@@ -33,7 +33,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     reservation_timeout_s: float = 120.0  # decode: a reservation waits this long for its KV
     drain_timeout_s: float = 600.0
     router: str | None = None  # join a running router at this fleet endpoint (tcp://HOST:PORT)
-    advertise_host: str | None = None  # the address the router should connect to (default: host)
+    # the address the router (and, for decode's KV port, prefill) should connect to (default: host and kv_host)
+    advertise_host: str | None = None
     metrics_port: int = 0  # Prometheus /metrics on host:this (0: any free port, -1: off)
     kv_transport: str = "zmq"  # "zmq" | "nixl" (kvseal/transfer/)
     # fleet keys: this worker's keypair and allow-list (kvseal/auth); None: plain ZeroMQ, loopback only
@@ -88,7 +89,7 @@ def run_worker(spec: WorkerSpec) -> int:
     else:
         server = DecodeWorker(DecodeEngine(cfg), bind, f"tcp://{spec.kv_host or spec.host}:{spec.kv_port}", hooks,
                               spec.reservation_timeout_s, spec.drain_timeout_s, spec.kv_transport, spec.keys,
-                              spec.kv_channel)
+                              spec.kv_channel, spec.advertise_host)
     if spec.metrics_port >= 0:
         logging.getLogger("kvseal").info("metrics on %s", server.metrics.serve(spec.host, spec.metrics_port))
     if spec.router:

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# podman as it runs on these machines (cgroup v1, root, no registry): runc instead of crun (crun stops with
+# "cgroups in hybrid mode not supported"), the cgroupfs manager, and no default ulimits (the setrlimit calls
+# they make are not permitted here). Installs podman, runc and debootstrap from Debian when they are missing.
+set -euo pipefail
+if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v debootstrap >/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+  $SUDO apt-get update -qq && $SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap >/dev/null
+fi
+conf=/etc/containers/containers.conf
+if ! grep -q "kvseal" "$conf" 2>/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+  $SUDO mkdir -p /etc/containers
+  printf '# kvseal (scripts/podman_setup.sh): what podman needs on cgroup v1 without setrlimit\n[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n' \
+    | $SUDO tee "$conf" >/dev/null
+fi
