@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # podman as it runs on these machines (cgroup v1, root, no registry): runc instead of crun (crun stops with
 # "cgroups in hybrid mode not supported"), the cgroupfs manager, and no default ulimits (the setrlimit calls
-# they make are not permitted here). Installs podman, runc and debootstrap from Debian when they are missing.
+# they make are not permitted here). Installs podman, runc, debootstrap and kubectl from Debian when missing.
 set -euo pipefail
 if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v debootstrap >/dev/null; then
   SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
   $SUDO apt-get update -qq && $SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap >/dev/null
+fi
+# kubectl renders deploy/k8s (`kubectl kustomize`, tests/unit/test_k8s_manifests.py); Debian's is the client alone
+if ! command -v kubectl >/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+  $SUDO apt-get update -qq && $SUDO DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client >/dev/null
 fi
 conf=/etc/containers/containers.conf
 if ! grep -q "kvseal" "$conf" 2>/dev/null; then

@@ -1,0 +1,159 @@
+"""deploy/k8s, checked offline (issue 21): no cluster is reachable here, so the manifests are rendered with
+`kubectl kustomize` (with a key set made by `kvseal keys`, as docs/deploy.md says), validated in strict mode
+against the Kubernetes API schemas (kubernetes-validate, 1.30), and their wiring is checked against kvseal itself:
+every container's arguments parse with kvseal's own parser, the peers the router starts with are the stable
+names of the workers' pod 0, workers join through the fleet Service, each pod's secret key reaches only its
+member, the memory request holds the KV pool the flags ask for, the grace period outlasts the drain, and only
+fleet members reach the control and KV ports.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvseal.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+KV_BYTES_PER_TOKEN = 23040  # SmolLM2-135M, bf16 KV (a worker's /info: kv_bytes_per_token)
+RUNTIME_MIB = 400  # weights and runtime of a worker of the bundled model, measured (docs/deploy.md)
+
+
+@pytest.fixture(scope="module")
+def objects(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
+    assert shutil.which("kubectl"), "kubectl is missing: the repo's setup installs it (scripts/podman_setup.sh)"
+    k8s = tmp_path_factory.mktemp("deploy") / "k8s"
+    shutil.copytree(ROOT / "deploy" / "k8s", k8s, ignore=shutil.ignore_patterns("fleet-keys", "api-keys"))
+    subprocess.run([sys.executable, "-m", "kvseal", "keys", str(k8s / "fleet-keys"), "router", "prefill", "decode",
+                    "ops"], check=True, capture_output=True, timeout=60)
+    (k8s / "api-keys").write_text("alice sk-alice-0001\nops sk-ops-0002 admin\n")
+    out = subprocess.run(["kubectl", "kustomize", str(k8s)], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    for d in docs:
+        kubernetes_validate.validate(d, "1.30.0", strict=True)  # raises ValidationError naming the field
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def pod_spec(objects: dict[tuple[str, str], dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return objects[(kind, name)]["spec"]["template"]["spec"]
+
+
+def kvseal_args(spec: dict[str, Any]) -> Any:
+    (c,) = spec["containers"]
+    args = [a.replace("$(POD_NAME)", "kvseal-x-0") for a in c["args"]]
+    return build_parser().parse_args(args)
+
+
+ROLES = {"prefill": ("StatefulSet", "kvseal-prefill"), "decode": ("StatefulSet", "kvseal-decode"),
+         "router": ("Deployment", "kvseal-router")}
+
+
+def test_every_container_runs_a_kvseal_command_that_parses(objects: dict[tuple[str, str], dict[str, Any]]) -> None:
+    for role, (kind, name) in ROLES.items():
+        spec = pod_spec(objects, kind, name)
+        a = kvseal_args(spec)
+        assert a.command == role and a.host == "0.0.0.0"
+        assert a.fleet_keys == "/keys" and a.fleet_member == role  # keys: a port off loopback needs them
+        (c,) = spec["containers"]
+        assert c["image"] == "localhost/kvseal:latest"
+        assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 10001
+
+
+def test_the_router_starts_with_pod_0_of_each_role_and_workers_join_through_the_fleet_service(
+        objects: dict[tuple[str, str], dict[str, Any]]) -> None:
+    router = kvseal_args(pod_spec(objects, "Deployment", "kvseal-router"))
+    fleet = objects[("Service", "kvseal-fleet")]
+    assert fleet["spec"]["selector"]["app.kubernetes.io/component"] == "router"
+    assert fleet["spec"]["ports"][0]["port"] == router.fleet_port
+    for role, peers in (("prefill", router.prefill), ("decode", router.decode)):
+        kind, name = ROLES[role]
+        sts = objects[(kind, name)]
+        worker = kvseal_args(sts["spec"]["template"]["spec"])
+        headless = objects[("Service", sts["spec"]["serviceName"])]
+        assert headless["spec"]["clusterIP"] == "None"
+        # the router's static peer is pod 0's DNS name in the headless Service, at the worker's control port, and
+        # the same endpoint pod 0 advertises when it joins (so the router knows it as one member, not two)
+        assert peers == [f"{role}@{name}-0.{name}:{worker.port}"]
+        (c,) = sts["spec"]["template"]["spec"]["containers"]
+        assert "--advertise-host=$(POD_NAME)." + name in c["args"]
+        assert any(e["name"] == "POD_NAME" and e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+                   for e in c["env"])
+        assert worker.router == f"router@kvseal-fleet:{router.fleet_port}"
+        # the window the router serves fits in every worker's pool (the router checks it at start: seal 7)
+        assert worker.max_model_len == router.max_model_len <= worker.kv_pool_tokens
+
+
+def test_each_pod_gets_the_allow_list_and_only_its_own_secret_key(
+        objects: dict[tuple[str, str], dict[str, Any]]) -> None:
+    for role, (kind, name) in ROLES.items():
+        spec = pod_spec(objects, kind, name)
+        secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+        assert secrets["fleet-public"].startswith("fleet-public-")
+        assert secrets["fleet-secret"].startswith(f"fleet-{role}-")  # the hash suffix: a new key rolls the pods
+        assert ("Secret", secrets["fleet-secret"]) in objects
+        assert set(objects[("Secret", secrets["fleet-secret"])]["data"]) == {f"{role}.key_secret"}
+        assert set(objects[("Secret", secrets["fleet-public"])]["data"]) == {
+            "router.key", "prefill.key", "decode.key", "ops.key"}
+        # kvseal reads a secret key only at mode 0600 owned by its reader: the init container copies it there
+        (init,) = spec["initContainers"]
+        assert f"install -m 600 /secret/{role}.key_secret /keys/private/{role}.key_secret" in init["command"][-1]
+        private = next(v for v in spec["volumes"] if v["name"] == "fleet-private")
+        assert private["emptyDir"]["medium"] == "Memory"  # the key never lands on the node's disk
+
+
+def _mib(quantity: str) -> float:
+    units = {"Mi": 1, "Gi": 1024}
+    return float(quantity[:-2]) * units[quantity[-2:]]
+
+
+def test_workers_request_the_memory_their_pool_takes_and_drain_within_their_grace_period(
+        objects: dict[tuple[str, str], dict[str, Any]]) -> None:
+    for role in ("prefill", "decode"):
+        spec = pod_spec(objects, *ROLES[role])
+        a = kvseal_args(spec)
+        (c,) = spec["containers"]
+        pool_mib = a.kv_pool_tokens * KV_BYTES_PER_TOKEN / 2**20
+        request = _mib(c["resources"]["requests"]["memory"])
+        assert request >= RUNTIME_MIB + pool_mib, (role, request, pool_mib)
+        assert _mib(c["resources"]["limits"]["memory"]) > request
+        assert spec["terminationGracePeriodSeconds"] > a.drain_timeout
+        # preStop starts the drain (SIGTERM to kvseal, pid 1) and returns once the process has exited
+        stop = c["lifecycle"]["preStop"]["exec"]["command"][-1]
+        assert "kill -TERM 1" in stop and "while kill -0 1" in stop
+        assert c["readinessProbe"]["httpGet"]["port"] == "metrics" and a.metrics_port == 9090
+    router = pod_spec(objects, *ROLES["router"])
+    (c,) = router["containers"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"  # 503 until the fleet check passed
+    assert router["terminationGracePeriodSeconds"] >= 600
+
+
+def test_only_fleet_members_reach_the_control_kv_and_fleet_ports(
+        objects: dict[tuple[str, str], dict[str, Any]]) -> None:
+    member = {"podSelector": {"matchLabels": {"kvseal.dev/fleet-member": "true"}}}
+    workers = objects[("NetworkPolicy", "kvseal-workers")]["spec"]
+    prefill = kvseal_args(pod_spec(objects, *ROLES["prefill"]))
+    decode = kvseal_args(pod_spec(objects, *ROLES["decode"]))
+    private_ports = {prefill.port, decode.port, decode.kv_port}
+    for rule in workers["ingress"]:
+        ports = {p["port"] for p in rule["ports"]}
+        if ports & private_ports:
+            assert rule["from"] == [member], rule
+    assert private_ports <= {p["port"] for rule in workers["ingress"] for p in rule["ports"]}
+    router = kvseal_args(pod_spec(objects, *ROLES["router"]))
+    rules = objects[("NetworkPolicy", "kvseal-router")]["spec"]["ingress"]
+    fleet_rule = next(r for r in rules if {p["port"] for p in r["ports"]} == {router.fleet_port})
+    assert fleet_rule["from"] == [member]
+    for role, (kind, name) in ROLES.items():  # every pod of the fleet carries the member label
+        labels = objects[(kind, name)]["spec"]["template"]["metadata"]["labels"]
+        assert labels["kvseal.dev/fleet-member"] == "true", role
+    for role in ROLES:  # and a disruption budget per role
+        pdb = objects[("PodDisruptionBudget", f"kvseal-{role}")]["spec"]
+        assert pdb["selector"]["matchLabels"]["app.kubernetes.io/component"] == role
