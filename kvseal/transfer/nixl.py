@@ -55,7 +55,8 @@ def nixl_api() -> ModuleType:
     try:
         from nixl import _api  # type: ignore[import-not-found]
     except ImportError as e:
-        raise RuntimeError(f"--kv-transport nixl needs the nixl package: pip install 'kvseal[nixl]' ({e})") from e
+        raise ValueError(f"invalid --kv-transport=nixl: the nixl package is not installed ({e}); "
+                         "pip install 'kvseal[nixl]', or use --kv-transport zmq") from e
     return _api
 
 
