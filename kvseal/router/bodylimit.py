@@ -40,13 +40,14 @@ class BodyLimit:
             await self._reject(send)
             return
         seen = 0
-        started = False
+        started = complete = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, complete
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
+                complete = not msg.get("more_body", False)
                 if seen > self.max_bytes:
                     raise _TooLarge()
             return msg
@@ -61,7 +62,8 @@ class BodyLimit:
             await self.app(scope, limited_receive, tracking_send)
         except _TooLarge:
             if not started:
-                await _drain(receive)
+                if not complete:  # the body went over on its last part: nothing is left to drain, and waiting
+                    await _drain(receive)  # for more would hold the 413 back for DRAIN_SECONDS
                 await self._reject(send)
 
     async def _reject(self, send: Send) -> None:
