@@ -107,7 +107,11 @@ class NixlTransport(ZmqTransport):
         if export_pages is not None and export_pages < 1:
             raise ValueError(f"invalid NixlTransport(export_pages={export_pages}): give at least 1 page")
         self.name = name or f"kvseal-{secrets.token_hex(8)}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        # No progress thread: NIXL's spins (sched_yield) and took half a core of an idle worker, a whole core of two
+        # for a prefill and a decode worker on one 2-core host. Each side progresses UCX itself, only while a read
+        # runs: decode through check_xfer_state in its loop, prefill (whose memory the READ takes; over TCP the
+        # target must progress to serve it) through get_new_notifs in tend() while its window holds offered pages.
+        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self._errors = nixl_errors()
         self._disconnected = nixl_disconnected()
         if "UCX" not in self.agent.backends:
@@ -190,6 +194,7 @@ class NixlTransport(ZmqTransport):
         self._own()
         waiting = self._exports.waiting if self._exports is not None else {}
         tid = handle.transfer_id
+        self._serve_reads()
         if tid in waiting:
             self._drain(handle.endpoint)  # answers free window pages
             self._offer_ready()
@@ -209,6 +214,12 @@ class NixlTransport(ZmqTransport):
             self._exports.waiting.pop(handle.transfer_id, None)
         super().abort(handle)
 
+    def _serve_reads(self, holding: list[str] | None = None) -> None:
+        """A READ of offered window pages may be running: progress UCX so that it is served (over TCP the target
+        of a READ must progress; get_new_notifs does, and returns at once)."""
+        if self._exports is not None and (holding if holding is not None else self._exports.holding()):
+            self.agent.get_new_notifs()
+
     def _answered(self, endpoint: str, transfer_id: str) -> None:
         if self._exports is not None:
             self._exports.answered(endpoint, transfer_id)
@@ -217,7 +228,9 @@ class NixlTransport(ZmqTransport):
         self._own()
         if self._exports is None:
             return
-        for endpoint in self._exports.holding():
+        holding = self._exports.holding()
+        self._serve_reads(holding)
+        for endpoint in holding:
             self._drain(endpoint)
         if self._exports.waiting:
             self._offer_ready()

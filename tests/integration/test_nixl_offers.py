@@ -221,6 +221,7 @@ def test_a_decode_worker_reads_only_the_pages_it_was_offered_while_the_offer_liv
             x = reader.make_prepped_xfer("READ", local, rows_of(2, 2, [0, 1])[: len(rows)], remote, rows)
             state, deadline = reader.transfer(x), time.monotonic() + 30
             while state == "PROC" and time.monotonic() < deadline:
+                tx.tend()  # as prefill's loop does: the sender progresses UCX so that a READ of its memory is served
                 state = reader.check_xfer_state(x)
             assert state != "PROC", "a NIXL read of 2 pages did not end within 30 s"
             x.release()
