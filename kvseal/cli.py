@@ -145,7 +145,8 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--port", type=int, default=port, help="port to listen on")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="require a bearer key on every route but /health: FILE has one `TENANT KEY` line per key "
-                        "(# comments); the tenant keys the prefix cache. `TENANT KEY admin` marks an admin key: only "
+                        "(# comments), optionally followed by the tenant's settings: weight=W priority_class=N "
+                        "max_concurrent=N rpm=N tpm=N kv_share=F (README: Tenants); the tenant keys the prefix cache. `TENANT KEY admin` marks an admin key: only "
                         "those see the fleet's internals (/info's workers, /metrics, /doctor/probe); a tenant's "
                         "/info shows the model, the window and its own requests. Without it: no keys, one tenant, "
                         "everyone sees everything")
@@ -157,11 +158,11 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
-    from kvseal.router.tenants import read_key_file
+    from kvseal.router.tenant_file import TenantsFile, read_tenants_file
 
-    keys, admins = read_key_file(a.api_keys) if a.api_keys is not None else ((), ())
-    return ServerConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes, api_keys=keys,
-                        admin_keys=admins)
+    f = read_tenants_file(a.api_keys) if a.api_keys is not None else TenantsFile((), (), ())
+    return ServerConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes, api_keys=f.keys,
+                        admin_keys=f.admins, tenants=f.tenants)
 
 
 def chat_template(a: argparse.Namespace) -> str | None:
