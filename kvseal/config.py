@@ -66,6 +66,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # per-step token budget; long prompts are prefilled in chunks
     max_waiting: int = 1024  # requests waiting for pages beyond this get 503 at once
     wait_timeout_s: float = 60.0  # 503 for a request waiting for pages when none was freed for this long
+    fairness: str = "vtc"  # who is admitted next among tenants: "vtc" (engine/fairness.py) or "off" (arrival order)
 
     def __post_init__(self) -> None:
         _need(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "give a positive number")
@@ -73,6 +74,8 @@ class SchedulerConfig:
               "give at least 16 tokens")
         _need(self.max_waiting > 0, "max_waiting", self.max_waiting, "give a positive number")
         _need(self.wait_timeout_s > 0, "wait_timeout_s", self.wait_timeout_s, "give a positive number")
+        _need(self.fairness in ("vtc", "off"), "fairness", self.fairness, "use vtc (tenants share by weight) or off "
+              "(arrival order)")
 
 
 @dataclass(frozen=True)

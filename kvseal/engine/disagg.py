@@ -300,7 +300,7 @@ class DecodeEngine(Engine):
 
     def _join_batch(self, seq: Sequence, first_token: int, first_logprob: TokenLogprob | None) -> None:
         seq.first_scheduled = time.monotonic()
-        self.scheduler.waiting.append(seq)
+        self.scheduler.add(seq)
         self._append(seq, first_token, first_logprob)
 
     def release(self, request_id: str, error: KvsealError, rejected: bool) -> None:
