@@ -18,11 +18,14 @@ compares against.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvseal.engine.sequence import Sequence
 
+Q = TypeVar("Q")
 W_PREFILL, W_DECODE = 1.0, 2.0  # VTC's weights: an output token costs about twice a prompt token
 FAIRNESS = ("vtc", "off")
 
@@ -85,6 +88,18 @@ class FairShare:
             if not queues[t]:
                 del queues[t]
             yield seq
+
+    def pick(self, items: Sequence_[Q], describe: Callable[[Q], tuple[str, int, int, float]]) -> Q:
+        """The item to serve first of a queue kept outside the scheduler (decode's reservations): off, the first;
+        vtc, as admission_order would. describe(item) -> (tenant, priority class, priority, arrival)."""
+        if not self.vtc:
+            return items[0]
+
+        def key(q: Q) -> tuple[int, float, str, int, float]:
+            tenant, cls, priority, arrival = describe(q)
+            return cls, self.books[tenant].counter if tenant in self.books else 0.0, tenant, priority, arrival
+
+        return min(items, key=key)
 
     def victim(self, running: list[Sequence]) -> Sequence:
         """The running sequence to preempt when pages run out."""
