@@ -5,9 +5,9 @@ Each tenant has a counter of the service it got, in weighted tokens: every token
 W_PREFILL (a prompt or recomputed token) or W_DECODE (an output token) divided by the tenant's weight. Admission
 takes the next request from the waiting tenant with the lowest (priority class, counter); within a tenant, the
 lowest `priority` first (vLLM's meaning), then first come, first served. A tenant that becomes active again has its
-counter lifted to the lowest counter of the tenants active now, so time away never banks credit. Preemption takes
-its victim from the running tenant most over its share (highest class, then highest counter), its lowest-priority
-newest request. Nothing waits while there is room: a tenant alone gets every slot (work-conserving).
+counter lifted to the lowest counter of the tenants active now (on an idle engine, to the highest of all), so
+time away never banks credit. Preemption takes its victim from the running tenant most over its share (highest
+class, then highest counter), its lowest-priority newest request. Nothing waits while there is room: a tenant alone gets every slot (work-conserving).
 
 Invariant: while two tenants of a class stay backlogged, their counters differ by at most the largest cost one
 admission step can add (a chunk or one decode step of the batch), so the tokens they are served approach the ratio
@@ -53,8 +53,14 @@ class FairShare:
         """seq arrives; `active`: the tenants with a request waiting or running before it."""
         book = self.books[seq.tenant]
         book.weight = seq.weight
-        if seq.tenant not in active and active:  # back after a pause: no credit banked meanwhile
-            book.counter = max(book.counter, min(self.books[t].counter for t in active))
+        if seq.tenant in active:
+            return
+        # back after a pause: no credit banked meanwhile. Against the tenants busy now, the least served of them;
+        # on an idle engine, the most served of all (an idle point forgets who was served more before it: a tenant
+        # that sent a little often must not owe the service it got to one that was away)
+        lift = (min(self.books[t].counter for t in active) if active else
+                max(b.counter for b in self.books.values()))
+        book.counter = max(book.counter, lift)
 
     def charge(self, seq: Sequence, n: int, sign: int = 1) -> None:
         """n tokens fed for seq this step (sign -1: taken back out of the batch)."""

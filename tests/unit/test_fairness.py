@@ -118,6 +118,11 @@ def test_a_tenant_back_from_a_pause_banks_no_credit() -> None:
     f.charge(a, 1000)
     f.activate(b, {"a"})  # b was away while a was served: lifted to a's counter
     assert f.books["b"].counter == f.books["a"].counter == 1000
+    f.charge(b, 300)
+    c = fake("c", 3.0)
+    f.activate(c, set())  # arriving at an idle engine: it owes nobody, and nobody owes it
+    f.activate(a, {"c"})
+    assert f.books["c"].counter == 1300 and f.books["a"].counter == 1300
 
 
 def test_kv_share_caps_a_tenants_pages_but_never_stops_it(tiny: Checkpoint) -> None:
