@@ -186,14 +186,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=49152, help="the bundled model's vocabulary (random prompt ids)")
     p.add_argument("--modes", default="vtc,off")
+    p.add_argument("--a-kv-share", type=float, default=1.0,
+                   help="A's kv_share in the tenants file (1: none); 0.5 keeps half of each pool for others")
     p.add_argument("--out", default=None, help="write the figures as JSON here too")
     p.add_argument("serve_args", nargs="*", help="more `kvseal serve` flags (after --)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "api-keys"
-        keys.write_text(f"a {KEYS['a']} weight=1\nb {KEYS['b']} weight=1\nops {KEYS['ops']} admin\n")
+        keys.write_text(f"a {KEYS['a']} weight=1 kv_share={a.a_kv_share}\nb {KEYS['b']} weight=1\n"
+                        f"ops {KEYS['ops']} admin\n")
         res = {m: one_mode(a, m, keys) for m in a.modes.split(",")}
     cpu = cpu_model()
+    print(f"flood {a.flood} x {a.flood_prompt} tokens (max_tokens {a.flood_tokens}), B {a.b_seconds:g} s under it and "
+          f"{a.alone_seconds:g} s alone (max_tokens {a.b_tokens}), A's kv_share {a.a_kv_share:g}, serve flags "
+          f"{' '.join(a.serve_args) or '(defaults)'}")
     print(report(res, cpu))
     if a.out:
         Path(a.out).write_text(json.dumps({"cpu": cpu, "args": vars(a), "results": res}, indent=2))

@@ -7,7 +7,8 @@ the reserved pages, and tells the router; not one token is produced from unverif
 A reservation that finds no free pages waits (bounded by --max-waiting, then 503). The next one granted is the
 one the engine's fairness would admit next (engine/fairness.py: with vtc, of the tenant served least; within a
 tenant by priority, then arrival; with off, arrival order), and only when it fits: no other request takes pages
-ahead of it. Each request's deltas are numbered for the router's
+ahead of it. A tenant with a kv_share holds at most that share of the pool in reservations and requests (at their
+longest); its further reservations wait without holding back other tenants'. Each request's deltas are numbered for the router's
 continuity check.
 """
 
@@ -81,7 +82,7 @@ class DecodeWorker(WorkerServer):
                 self.counters["requests_received"] += 1
                 try:
                     self.refuse_new()
-                    if self.queue or not self._fits_now(req):
+                    if self.queue or not self._fits_now(req) or not self.dengine.within_share(req):
                         self._enqueue(_Queued(ident, cid, req))
                         return
                     self._reserve(_Queued(ident, cid, req))
@@ -123,12 +124,17 @@ class DecodeWorker(WorkerServer):
         self.owners[q.request.request_id] = q.ident
         self.send(q.ident, P.ReserveResp(call_id=q.call_id, reservation=res))
 
-    def _next_queued(self) -> _Queued:
-        return self.dengine.scheduler.fair.pick(self.queue, lambda q: (
+    def _next_queued(self) -> _Queued | None:
+        """The reservation to grant next: of those whose tenant stays within its kv_share, the one fairness picks
+        (a tenant at its share waits without holding back the others)."""
+        ready = [q for q in self.queue if self.dengine.within_share(q.request)]
+        if not ready:
+            return None
+        return self.dengine.scheduler.fair.pick(ready, lambda q: (
             q.request.tenant, q.request.priority_class, q.request.priority, q.since))
 
     def _grant_queued(self) -> None:
-        while self.queue and self._fits_now((q := self._next_queued()).request):
+        while (q := self._next_queued()) is not None and self._fits_now(q.request):
             self.queue.remove(q)
             try:
                 self._reserve(q)

@@ -106,3 +106,21 @@ def test_queued_reservations_go_to_the_tenant_served_least_first(worker: DecodeW
     granted = [m.reservation.request_id for _, m in worker.sent if isinstance(m, P.ReserveResp)  # type: ignore
                and m.reservation is not None]
     assert granted == ["a1", "a2", "b1"] and [q.request.request_id for q in worker.queue] == ["a3"]
+
+
+def test_a_tenant_at_its_kv_share_waits_without_holding_back_another(worker: DecodeWorker) -> None:
+    def ask(rid: str, tenant: str, share: float) -> None:
+        req = GenerateRequest(rid, [5] * 16, SamplingParams(max_tokens=4, temperature=0.0), tenant=tenant,
+                              kv_share=share)
+        worker.handle(ROUTER, P.ReserveReq(call_id=hash(rid) % 10**6, request=req))
+
+    ask("a1", "a", 0.5)  # 5 of the 16 pages at its longest (20 tokens)
+    ask("a2", "a", 0.5)  # 10 of its 8: over its share, queued though the pool has room
+    ask("b1", "b", 1.0)  # another tenant: granted at the worker's next turn, not behind a2
+    worker.pump()
+    granted = [m.reservation.request_id for _, m in worker.sent if isinstance(m, P.ReserveResp)  # type: ignore
+               and m.reservation is not None]
+    assert granted == ["a1", "b1"] and [q.request.request_id for q in worker.queue] == ["a2"]
+    worker.handle(ROUTER, P.ReleaseReq(request_id="a1", error=ErrorInfo("X", "x", 500, "x"), rejected=True))
+    worker.pump()  # a holds nothing now: a2 may go
+    assert not worker.queue
