@@ -5,6 +5,8 @@
   ignored Retry-After and used its own backoff, 0.5 s then 1 s, would be refused again: 20 rpm gives one request
   back every 3 s); bob, without limits, is answered every time meanwhile and never sees a rate header.
 - carol (max_concurrent=1): a second request while her first streams gets 429; after it ended, one passes.
+- dave (tpm=120): prompt + max_tokens is charged before any worker sees the request: past it, 429 of type tokens;
+  a request larger than the limit itself says `x-should-retry: false`, and the client does not retry it.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ from tests.helpers.procs import Server
 
 pytestmark = pytest.mark.integration
 MODEL = "SmolLM2-135M-Instruct"
-KEYS = {"alice": "sk-alice-limits-0001", "bob": "sk-bob-limits-0002", "carol": "sk-carol-limits-0003"}
+KEYS = {"alice": "sk-alice-limits-0001", "bob": "sk-bob-limits-0002", "carol": "sk-carol-limits-0003",
+        "dave": "sk-dave-limits-0005"}
 RPM = 20
+TPM = 120  # 2 tokens a second come back: the refused request below would wait about 20 s
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"alice {KEYS['alice']} rpm={RPM}\nbob {KEYS['bob']}\ncarol {KEYS['carol']} max_concurrent=1\n"
-                    f"ops sk-ops-limits-0004 admin\n")
+                    f"dave {KEYS['dave']} tpm={TPM}\nops sk-ops-limits-0004 admin\n")
     s = Server(["--unified", "--max-model-len", "512", "--kv-pool-tokens", "2048", "--api-keys", str(keys)])
     try:
         yield s.ready()
@@ -82,3 +86,20 @@ def test_over_max_concurrent_is_429_until_the_first_request_ends(server: Server)
     for _ in stream:  # it ends ...
         pass
     assert ask(carol).choices[0].finish_reason == "length"  # ... and the next one passes
+
+
+def test_over_tpm_is_429_tokens_and_a_request_larger_than_the_limit_is_not_retried(server: Server) -> None:
+    dave = client(server, "dave")
+    r = dave.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=100, temperature=0,
+                                                  extra_body={"ignore_eos": True})  # all 100 used: nothing refunded
+    assert r.http_response.status_code == 200
+    assert r.headers["x-ratelimit-limit-tokens"] == str(TPM) and int(r.headers["x-ratelimit-remaining-tokens"]) < 60
+    with pytest.raises(openai.RateLimitError) as e:
+        dave.completions.create(model=MODEL, prompt="Hi", max_tokens=60, temperature=0)
+    assert e.value.type == "tokens" and "TPM" in e.value.message and int(e.value.response.headers["retry-after"]) >= 1
+    attempts: list[int] = []
+    with pytest.raises(openai.RateLimitError) as e:
+        client(server, "dave", retries=3, attempts=attempts).completions.create(
+            model=MODEL, prompt="Hi", max_tokens=TPM + 1, temperature=0)
+    assert "too large" in e.value.message and e.value.response.headers["x-should-retry"] == "false"
+    assert len(attempts) == 1  # told not to retry: the client did not
