@@ -4,6 +4,7 @@
   are backlogged, the engine serves a three times b's tokens, within 10% (read from the engine's per-tenant
   counters on /metrics, not from wall time);
 - a tenant alone takes every batch slot (work-conserving), whatever its weight;
+- a request's `priority` orders it among its own tenant's waiting requests (lower first);
 - every request ends with its whole output, and the pool returns to its baseline (seal 8).
 """
 
@@ -107,3 +108,33 @@ def test_a_tenant_alone_takes_every_slot(server: Server) -> None:
 
     assert asyncio.run(run()) == [24] * (3 * SLOTS)
     assert max(seen) == SLOTS  # b (weight 1, the smaller) alone fills the batch
+
+
+def test_priority_orders_a_tenants_waiting_requests(server: Server) -> None:
+    """With every slot taken, a's later request with priority -1 is served before its earlier one with priority 5."""
+    order: list[str] = []
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
+            async def one(t: str, name: str, priority: int, max_tokens: int) -> None:
+                r = await c.post("/v1/completions", headers={"Authorization": f"Bearer {KEYS[t]}"},
+                                 json={"model": MODEL, "prompt": f"{name}: count.", "max_tokens": max_tokens,
+                                       "temperature": 0, "ignore_eos": True, "priority": priority})
+                assert r.status_code == 200, r.text
+                order.append(name)
+
+            async def until(cond: object) -> None:
+                while not cond(await asyncio.to_thread(tenants, server)):  # type: ignore[operator]
+                    await asyncio.sleep(0.05)
+
+            # of different lengths: the slots free one at a time, 16 steps apart, so the two are admitted apart
+            blockers = [asyncio.ensure_future(one("b", f"blocker{i}", 0, 48 + 16 * i)) for i in range(SLOTS)]
+            await until(lambda f: f.get("b", {}).get("requests_running", 0) == SLOTS)
+            late = asyncio.ensure_future(one("a", "priority 5", 5, 4))
+            await until(lambda f: f.get("a", {}).get("requests_waiting", 0) == 1)
+            early = asyncio.ensure_future(one("a", "priority -1", -1, 4))
+            await until(lambda f: f.get("a", {}).get("requests_waiting", 0) == 2)
+            await asyncio.gather(*blockers, late, early)
+
+    asyncio.run(run())
+    assert order.index("priority -1") < order.index("priority 5")
