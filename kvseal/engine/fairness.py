@@ -7,7 +7,8 @@ takes the next request from the waiting tenant with the lowest (priority class, 
 lowest `priority` first (vLLM's meaning), then first come, first served. A tenant that becomes active again has its
 counter lifted to the lowest counter of the tenants active now (on an idle engine, to the highest of all), so
 time away never banks credit. Preemption takes its victim from the running tenant most over its share (highest
-class, then highest counter), its lowest-priority newest request. Nothing waits while there is room: a tenant alone gets every slot (work-conserving).
+class, then highest counter), its lowest-priority newest request. Nothing waits while there is room: a tenant
+alone gets every slot (work-conserving).
 
 Invariant: while two tenants of a class stay backlogged, their counters differ by at most the largest cost one
 admission step can add (a chunk or one decode step of the batch), so the tokens they are served approach the ratio

@@ -6,10 +6,11 @@ Policy, once per step, under a token budget (who goes first among tenants: engin
      the older one fits: with fairness vtc one of the tenant most over its share, else the newest.
   2. then waiting sequences, as long as budget and batch slots allow: with fairness vtc from the tenant
      served least (weighted), by priority then arrival within a tenant; with off in arrival order. One whose
-     pages are not free now, or whose tenant would pass its kv_share of the pool, is skipped for this step. A sequence that starts (or restarts) from nothing first takes the
-     longest cached prefix of its prompt under its own tenant key and is charged only for the rest; at least
-     its last prompt token is always computed, for the logits.
-Waiting is not a timeout while the engine makes progress: requests wait in arrival order, the queue's length is
+     pages are not free now, or whose tenant would pass its kv_share of the pool, is skipped for this step.
+     A sequence that starts (or restarts) from nothing first takes the longest cached prefix of its prompt
+     under its own tenant key and is charged only for the rest; at least its last prompt token is always
+     computed, for the logits.
+Waiting is not a timeout while the engine makes progress: requests wait in the order above, the queue's length is
 bounded (max_waiting, then 503 at once), and a busy engine frees pages as it finishes requests. Only a sequence
 refused pages at every step for wait_timeout_s while no page at all was freed (nothing can move) ends REJECTED
 with 503.

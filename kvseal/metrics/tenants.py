@@ -44,7 +44,8 @@ class LimitsCollector(Collector):
         self.limiter, self.policies = limiter, policies
 
     def collect(self) -> Iterator[Any]:
-        refused = CounterMetricFamily("kvseal:tenant_rate_limited", "429s by tenant and type", labels=["tenant", "type"])
+        refused = CounterMetricFamily("kvseal:tenant_rate_limited", "429s by tenant and type",
+                                      labels=["tenant", "type"])
         flight = GaugeMetricFamily("kvseal:tenant_requests_in_flight", "Completion requests in flight (tenants with "
                                    "limits)", labels=["tenant"])
         for tenant, f in sorted(self.limiter.figures().items()):

@@ -2,8 +2,9 @@
 
 The file has one line per key, `TENANT KEY`, and `#` comments (router/tenant_file.py: settings per tenant such
 as `weight=3 rpm=600` may follow); `TENANT KEY admin` makes that key an admin key too: only admin keys see the
-fleet's internals (/info's workers and endpoints, /metrics, /doctor/probe; router/tenantview.py). Keys are kept only as SHA-256 digests from the moment the file is read, and no message, log
-line or /info field ever holds a key (or a line of the file). Without the flag there is one tenant, "", no key
+fleet's internals (/info's workers and endpoints, /metrics, /doctor/probe; router/tenantview.py). Keys are kept
+only as SHA-256 digests from the moment the file is read, and no message, log line or /info field ever holds a
+key (or a line of the file). Without the flag there is one tenant, "", no key
 is asked for, and every client sees everything (the server says so at start). The tenant travels with each
 request to every worker; prefix caches are keyed by it (seal 9).
 """

@@ -7,9 +7,9 @@ the reserved pages, and tells the router; not one token is produced from unverif
 A reservation that finds no free pages waits (bounded by --max-waiting, then 503). The next one granted is the
 one the engine's fairness would admit next (engine/fairness.py: with vtc, of the tenant served least; within a
 tenant by priority, then arrival; with off, arrival order), and only when it fits: no other request takes pages
-ahead of it. A tenant with a kv_share holds at most that share of the pool in reservations and requests (at their
-longest); its further reservations wait without holding back other tenants'. Each request's deltas are numbered for the router's
-continuity check.
+ahead of it. A tenant with a kv_share holds at most that share of the pool in reservations and requests (at
+their longest); its further reservations wait without holding back other tenants'. Each request's deltas are
+numbered for the router's continuity check.
 """
 
 from __future__ import annotations
