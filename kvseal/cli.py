@@ -84,6 +84,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait-timeout", type=float, default=60.0,
                    help="a request waiting for KV pages gets 503 when no page at all was freed for this many "
                         "seconds (a busy worker that frees pages is waited out)")
+    p.add_argument("--fairness", default="vtc", choices=["vtc", "off"],
+                   help="who each engine admits next when tenants compete: vtc (default; the tenant served least, "
+                        "in tokens weighted by its weight from --api-keys, as the Virtual Token Counter; a tenant "
+                        "alone gets everything) or off (arrival order)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed")
     p.add_argument("--grammar-compilers", type=int, default=0, metavar="N",
                    help="processes that compile response_format grammars, off the engine's loop (started on the "
@@ -132,7 +136,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(page_size=a.page_size, pool_tokens=a.kv_pool_tokens, pool_bytes=a.kv_pool_bytes,
                           scrub=a.kv_scrub, kv_dtype=a.kv_dtype, prefix_cache=not a.no_prefix_cache),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                                  max_waiting=a.max_waiting, wait_timeout_s=a.wait_timeout),
+                                  max_waiting=a.max_waiting, wait_timeout_s=a.wait_timeout, fairness=a.fairness),
         seed=a.seed,
         ledger=LedgerConfig(ledger_path(a)),
         grammar=GrammarConfig(grammar_compilers=a.grammar_compilers, grammar_timeout_s=a.grammar_timeout,
@@ -145,7 +149,9 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--port", type=int, default=port, help="port to listen on")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="require a bearer key on every route but /health: FILE has one `TENANT KEY` line per key "
-                        "(# comments); the tenant keys the prefix cache. `TENANT KEY admin` marks an admin key: only "
+                        "(# comments), optionally followed by the tenant's settings: weight=W priority_class=N "
+                        "max_concurrent=N rpm=N tpm=N kv_share=F (README: Tenants); the tenant keys the prefix "
+                        "cache. `TENANT KEY admin` marks an admin key: only "
                         "those see the fleet's internals (/info's workers, /metrics, /doctor/probe); a tenant's "
                         "/info shows the model, the window and its own requests. Without it: no keys, one tenant, "
                         "everyone sees everything")
@@ -157,11 +163,11 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
-    from kvseal.router.tenants import read_key_file
+    from kvseal.router.tenant_file import TenantsFile, read_tenants_file
 
-    keys, admins = read_key_file(a.api_keys) if a.api_keys is not None else ((), ())
-    return ServerConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes, api_keys=keys,
-                        admin_keys=admins)
+    f = read_tenants_file(a.api_keys) if a.api_keys is not None else TenantsFile((), (), ())
+    return ServerConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes, api_keys=f.keys,
+                        admin_keys=f.admins, tenants=f.tenants)
 
 
 def chat_template(a: argparse.Namespace) -> str | None:

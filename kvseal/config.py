@@ -66,6 +66,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # per-step token budget; long prompts are prefilled in chunks
     max_waiting: int = 1024  # requests waiting for pages beyond this get 503 at once
     wait_timeout_s: float = 60.0  # 503 for a request waiting for pages when none was freed for this long
+    fairness: str = "vtc"  # who is admitted next among tenants: "vtc" (engine/fairness.py) or "off" (arrival order)
 
     def __post_init__(self) -> None:
         _need(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "give a positive number")
@@ -73,6 +74,33 @@ class SchedulerConfig:
               "give at least 16 tokens")
         _need(self.max_waiting > 0, "max_waiting", self.max_waiting, "give a positive number")
         _need(self.wait_timeout_s > 0, "wait_timeout_s", self.wait_timeout_s, "give a positive number")
+        _need(self.fairness in ("vtc", "off"), "fairness", self.fairness, "use vtc (tenants share by weight) or off "
+              "(arrival order)")
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """One tenant's share and limits, from its lines of the --api-keys file (router/tenant_file.py).
+
+    weight and priority_class travel to every worker with each request (never from the client); the limits are
+    kept by the router (router/limits.py). None: no limit."""
+
+    weight: float = 1.0  # its share of every engine against the other backlogged tenants (VTC)
+    priority_class: int = 0  # lower is served first, across tenants; within a class tenants share by weight
+    max_concurrent: int | None = None  # completion requests in flight at once
+    rpm: int | None = None  # requests per minute
+    tpm: int | None = None  # tokens per minute: prompt + max_tokens charged at admission, unused output refunded
+    kv_share: float = 1.0  # most of each engine's KV pages its requests may hold when one more is admitted
+
+    def __post_init__(self) -> None:
+        _need(0 < self.weight <= 1e6, "weight", self.weight, "give a positive number (a share against other "
+              "tenants: weight=3 gets three times a weight=1 tenant's tokens while both are busy)")
+        _need(-1000 <= self.priority_class <= 1000, "priority_class", self.priority_class,
+              "give an integer from -1000 to 1000 (lower is served first; default 0)")
+        for name in ("max_concurrent", "rpm", "tpm"):
+            v = getattr(self, name)
+            _need(v is None or 0 < v <= 2**31 - 1, name, v, "give a positive integer, or leave it out for no limit")
+        _need(0 < self.kv_share <= 1, "kv_share", self.kv_share, "give a fraction of the KV pool in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -83,6 +111,7 @@ class ServerConfig:
     # (SHA-256 of a key, its tenant) from --api-keys; empty: no auth, one tenant. Digests only, never keys.
     api_keys: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)  # digests of the api keys marked `admin`
+    tenants: tuple[tuple[str, TenantPolicy], ...] = ()  # the settings of each tenant that has any
 
     def __post_init__(self) -> None:
         _need(0 <= self.port < 65536, "port", self.port, "give a TCP port 0-65535")
@@ -90,6 +119,8 @@ class ServerConfig:
               "give (sha256 hex digest of a key, tenant name) pairs (kvseal.router.tenants.load_api_keys)")
         _need(set(self.admin_keys) <= {d for d, _ in self.api_keys}, "admin_keys", f"{len(self.admin_keys)} entries",
               "mark keys of the --api-keys file as admin (a third word `admin` on their line)")
+        _need({t for t, _ in self.tenants} <= {t for _, t in self.api_keys}, "tenants",
+              f"{len(self.tenants)} entries", "give settings only to tenants that have a key in --api-keys")
         _need(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "give a positive size")
 
 

@@ -1,7 +1,8 @@
 """`kvseal doctor ROUTER_URL`: one row per node, then the checks an operator would make by hand.
 
 Rows: role and liveness, pool tokens against the served window, fingerprint, page size, KV dtype, layout,
-kernels/arithmetic, test faults, free and cached pages, requests in flight. Checks: every node agrees and every
+kernels/arithmetic, test faults, free and cached pages, requests in flight; then each tenant's share of the tokens
+served against its share of the weights. Checks: every node agrees and every
 pool holds the window, every worker is reachable and serving, no test faults, no NIXL read past its deadline still
 keeping pages out of a pool (decode) or an export window (prefill), and a live probe (one greedy request
 through every (prefill, decode) pair, `POST /doctor/probe`) gives the same tokens on every pair.
@@ -145,6 +146,30 @@ def table(url: str, info: dict[str, Any]) -> str:
     return "\n".join("  ".join(c.ljust(n) for c, n in zip(r, widths)).rstrip() for r in [head, *rows])
 
 
+def tenant_table(info: dict[str, Any]) -> str | None:
+    """Each tenant's share of the tokens the engines served (summed over every worker) against its share of the
+    weights: the fairness the operator asked for next to what it got (shares differ when a tenant asked for less
+    than its share; the scheduler evens them out only while tenants wait). None when no engine served anyone."""
+    books: dict[str, dict[str, float]] = {}
+    for w in nodes(info):
+        for tenant, f in (w.get("tenants") or {}).items():
+            b = books.setdefault(tenant, {"tokens": 0.0, "weight": float(f.get("weight", 1.0)), "queue_s": 0.0,
+                                          "scheduled": 0.0, "kv_pages": 0.0})
+            b["tokens"] += float(f.get("prefill_tokens", 0)) + float(f.get("decode_tokens", 0))
+            b["queue_s"] += float(f.get("queue_seconds", 0.0))
+            b["scheduled"] += float(f.get("scheduled", 0))
+            b["kv_pages"] += float(f.get("kv_pages", 0))
+    total, weights = sum(b["tokens"] for b in books.values()), sum(b["weight"] for b in books.values())
+    if not books or total == 0:
+        return None
+    head = ("tenant", "weight", "weight share", "tokens served", "token share", "mean queue", "kv pages now")
+    rows = [(t or '""', f"{b['weight']:g}", f"{b['weight'] / weights:.3f}", f"{b['tokens']:.0f}",
+             f"{b['tokens'] / total:.3f}", f"{b['queue_s'] / max(b['scheduled'], 1) * 1e3:.0f} ms",
+             f"{b['kv_pages']:.0f}") for t, b in sorted(books.items())]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(n) for c, n in zip(r, widths)).rstrip() for r in [head, *rows])
+
+
 def probe(client: httpx.Client, url: str, pair: tuple[str, str] | None) -> Probe:
     params = {"prefill": pair[0], "decode": pair[1]} if pair else {}
     p, d = pair or (None, None)
@@ -189,6 +214,9 @@ def run_doctor(a: argparse.Namespace) -> int:
         print(f"kvseal doctor {url}: {info.get('role')}, model {info.get('model') or info.get('served_model_name')}"
               f", window {info.get('context_window')} tokens")
         print(table(url, info))
+        shares = tenant_table(info)
+        if shares is not None:
+            print(shares)
         pairs: list[tuple[str, str] | None] = list(serving_pairs(info)) or ([None] if info.get("role") == "unified"
                                                                             else [])
         probes = [] if a.no_probe else [probe(client, url, pair) for pair in pairs]

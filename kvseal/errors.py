@@ -150,6 +150,20 @@ class InternalError(KvsealError):
     status, type, code = 500, "server_error", "internal_error"
 
 
+class RateLimited(KvsealError):
+    """A tenant over one of its limits (router/limits.py): 429 in OpenAI's shape, `type` "requests" or "tokens".
+
+    retry_after_s: when the same request would be admitted (None: never, it is larger than the limit itself)."""
+
+    status, type, code = 429, "requests", "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, kind: str = "requests", retry_after_s: float | None = 1.0,
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+        self.type = kind
+        self.retry_after_s = retry_after_s
+
+
 def _subclasses(cls: type[KvsealError]) -> list[type[KvsealError]]:
     out = [cls]
     for sub in cls.__subclasses__():

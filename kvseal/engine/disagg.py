@@ -290,6 +290,18 @@ class DecodeEngine(Engine):
         growing = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self.reserved) + len(self.compiling)
         return self.allocator.num_free - owed - growing
 
+    def within_share(self, req: GenerateRequest) -> bool:
+        """kv_share for a reservation: this tenant's live requests here at their longest (prompt + max_tokens), with
+        req, within its share of the pool; a tenant with none here may always reserve (engine/scheduler.py's rule)."""
+        if req.kv_share >= 1.0:
+            return True
+        mine = [s for s in self.seqs.values() if s.tenant == req.tenant]
+        if not mine:
+            return True
+        longest = sum(pages_for(len(s.prompt_ids) + s.params.max_tokens, self.pool.page_size) for s in mine)
+        longest += pages_for(len(req.prompt_ids) + req.params.max_tokens, self.pool.page_size)
+        return longest <= int(req.kv_share * self.allocator.num_pages)
+
     def admit_verified(self, request_id: str, first_token: int, first_logprob: TokenLogprob | None) -> None:
         """The arrived KV matched the reservation and sits in seq.pages: join the batch."""
         seq, _ = self.reserved.pop(request_id)
@@ -300,7 +312,7 @@ class DecodeEngine(Engine):
 
     def _join_batch(self, seq: Sequence, first_token: int, first_logprob: TokenLogprob | None) -> None:
         seq.first_scheduled = time.monotonic()
-        self.scheduler.waiting.append(seq)
+        self.scheduler.add(seq)
         self._append(seq, first_token, first_logprob)
 
     def release(self, request_id: str, error: KvsealError, rejected: bool) -> None:

@@ -154,6 +154,9 @@ class Engine:
             "device": str(self.device),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            # per tenant: tokens served, VTC counter, weight, queue time, pages held (engine/fairness.py)
+            "fairness": self.cfg.scheduler.fairness,
+            "tenants": self.scheduler.fair.figures(self.scheduler.running, self.scheduler.waiting),
             "pages_scrubbed": self.pages_scrubbed,
             "ownership_violations": self.ownership_violations,
             "ledger": None if self.ledger is None else str(self.ledger.path),
@@ -232,6 +235,8 @@ class Engine:
                 raise InvalidRequest(f"request id {req.request_id!r} is already in use")
             self.validate(len(req.prompt_ids), req.params.max_tokens)
             check_sampling(req.params)
+            if not (0 < req.weight <= 1e6 and 0 < req.kv_share <= 1):  # from the router: a peer's frame, checked
+                raise InvalidRequest(f"weight {req.weight} or kv_share {req.kv_share} out of range")
             if len(self.scheduler.waiting) + len(self.compiling) >= self.cfg.scheduler.max_waiting:
                 raise Overloaded("the server is overloaded: too many queued requests; retry later")
             if any(t < 0 or t >= self.arch.vocab_size for t in req.prompt_ids):

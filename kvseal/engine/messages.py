@@ -47,6 +47,12 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     # unified workers (decode keeps none) and the router's prefill affinity (seal 9)
     tenant: str = ""
     cache_salt: str | None = None  # splits a tenant's prefix cache further (OpenAI/vLLM's cache_salt)
+    # the tenant's share and class from the router's tenants file (config.TenantPolicy), never from the client;
+    # priority is the body's own (vLLM's meaning: lower first), and orders requests only within their tenant
+    weight: float = 1.0
+    priority_class: int = 0
+    kv_share: float = 1.0
+    priority: int = 0
     v: int = SCHEMA_VERSION
 
 

@@ -1,14 +1,16 @@
 """Continuous batching with chunked prefill and preemption by recompute.
 
-Policy, once per step, under a token budget:
+Policy, once per step, under a token budget (who goes first among tenants: engine/fairness.py):
   1. running sequences first, oldest first: one token each when decoding, a chunk when still prefilling.
-     When pages run out, the newest running sequence is preempted (pages scrubbed and freed, recomputed
-     later) until the older one fits.
-  2. then waiting sequences, oldest first, as long as budget and batch slots allow; one whose pages are not
-     free now is skipped for this step. A sequence that starts (or restarts) from nothing first takes the
-     longest cached prefix of its prompt under its own tenant key and is charged only for the rest; at least
-     its last prompt token is always computed, for the logits.
-Waiting is not a timeout while the engine makes progress: requests wait in arrival order, the queue's length is
+     When pages run out, a running sequence is preempted (pages scrubbed and freed, recomputed later) until
+     the older one fits: with fairness vtc one of the tenant most over its share, else the newest.
+  2. then waiting sequences, as long as budget and batch slots allow: with fairness vtc from the tenant
+     served least (weighted), by priority then arrival within a tenant; with off in arrival order. One whose
+     pages are not free now, or whose tenant would pass its kv_share of the pool, is skipped for this step.
+     A sequence that starts (or restarts) from nothing first takes the longest cached prefix of its prompt
+     under its own tenant key and is charged only for the rest; at least its last prompt token is always
+     computed, for the logits.
+Waiting is not a timeout while the engine makes progress: requests wait in the order above, the queue's length is
 bounded (max_waiting, then 503 at once), and a busy engine frees pages as it finishes requests. Only a sequence
 refused pages at every step for wait_timeout_s while no page at all was freed (nothing can move) ends REJECTED
 with 503.
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvseal.config import SchedulerConfig
+from kvseal.engine.fairness import FairShare
 from kvseal.engine.sequence import Sequence
 from kvseal.kv.allocator import OutOfPages, PageAllocator, pages_for
 from kvseal.kv.prefix_cache import PrefixCache
@@ -36,6 +39,12 @@ class Batch:
         self.seqs.append(seq)
         self.num_new.append(n)
 
+    def remove(self, seq: Sequence) -> int:
+        """Take seq out of this batch; returns the tokens it had."""
+        i = self.seqs.index(seq)
+        self.seqs.pop(i)
+        return self.num_new.pop(i)
+
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, page_size: int,
@@ -49,12 +58,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.last_freed = time.monotonic()  # when pages last went back to the free list: progress
         self.on_first_scheduled: Callable[[float], None] | None = None  # metrics: seconds from arrival
+        self.fair = FairShare(cfg.fairness)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
+        self.fair.activate(seq, {s.tenant for s in self.waiting} | {s.tenant for s in self.running})
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[Batch, list[Sequence]]:
@@ -69,24 +80,29 @@ class Scheduler:
                 continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             while not self._grow(seq, seq.num_computed + n):
-                victim = self.running[-1]
+                victim = self.fair.victim(self.running)
+                if victim in batch.seqs:  # already given its tokens this step: they go back to the budget
+                    taken = batch.remove(victim)
+                    self.fair.charge(victim, taken, sign=-1)
+                    budget += taken
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             else:
+                self.fair.charge(seq, n)
                 batch.add(seq, n)
                 budget -= n
-        queue, considered = list(self.waiting), 0
-        for seq in queue:
+        considered: set[int] = set()
+        for seq in self.fair.admission_order(self.waiting):
             if budget == 0 or preempted or len(self.running) >= self.cfg.max_num_seqs:
                 break
-            considered += 1
+            considered.add(id(seq))
             hit = self._reuse_cached(seq) if not seq.pages and seq.num_computed == 0 else 0
             n = min(seq.num_tokens - seq.num_computed, budget)
             # one that does not fit now is skipped, not waited on: a long recompute at the head of the queue
             # must not block a request that already holds its pages (a verified handoff on decode)
-            if not self._grow(seq, seq.num_computed + n):
+            if not self._within_share(seq) or not self._grow(seq, seq.num_computed + n):
                 if hit:
                     self.release(seq)  # retried from nothing next step; no reference stays held meanwhile
                     seq.num_computed = 0
@@ -99,13 +115,28 @@ class Scheduler:
             self.running.append(seq)
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
+                self.fair.first_scheduled(seq, now - seq.arrival)
                 if self.on_first_scheduled is not None:
                     self.on_first_scheduled(now - seq.arrival)
+            self.fair.charge(seq, n)
             batch.add(seq, n)
             budget -= n
-        for seq in queue[considered:]:
-            seq.blocked_since = None  # not reached this step: queued behind compute, not refused pages
+        for seq in self.waiting:
+            if id(seq) not in considered:
+                seq.blocked_since = None  # not reached this step: queued behind compute, not refused pages
         return batch, preempted
+
+    def _within_share(self, seq: Sequence) -> bool:
+        """Whether seq may start without its tenant passing its kv_share of the pool. Invariant: the pages a tenant's
+        running requests would hold at their longest (prompt + max_tokens) stay within its share, except that a
+        tenant running nothing may always start one request (a share never stops a tenant altogether)."""
+        if seq.kv_share >= 1.0:
+            return True
+        mine = [s for s in self.running if s.tenant == seq.tenant]
+        if not mine:
+            return True
+        longest = sum(pages_for(len(s.prompt_ids) + s.params.max_tokens, self.page_size) for s in [*mine, seq])
+        return longest <= int(seq.kv_share * self.allocator.num_pages)
 
     def expired(self, now: float) -> list[Sequence]:
         """Waiting sequences that were never scheduled and were refused pages for longer than the limit, during

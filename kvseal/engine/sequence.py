@@ -27,6 +27,10 @@ class Sequence:
         self.prompt_ids: list[int] = list(req.prompt_ids)
         self.params: SamplingParams = req.params
         self.tenant = req.tenant
+        # from the router's tenants file (engine/fairness.py): its share, its class; priority is the client's own
+        # and orders it only among its tenant's requests
+        self.weight, self.priority_class, self.kv_share = req.weight, req.priority_class, req.kv_share
+        self.priority = req.priority
         # the prefix cache's view (set by the engine at admission): the namespace (tenant, cache_salt) and the
         # keys of the prompt's full pages; empty keys: this request neither uses nor fills the cache
         self.cache_ns = 0

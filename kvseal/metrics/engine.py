@@ -10,6 +10,8 @@ worker observes as things happen (queue time, KV transfer time). Served on the w
     kvseal:kv_transfer_bytes_total{direction}   sent (prefill) / received (decode)
     kvseal:kv_transfers_total{result}           acked / refused
     kvseal:kv_transfer_seconds                  prefill: sending a handoff to decode's acknowledgement
+    kvseal:tenant_{prefill,decode}_tokens_total{tenant}, _queue_seconds_total, _scheduled_requests_total,
+    kvseal:tenant_virtual_tokens, _kv_pages, _requests_running, _requests_waiting   per tenant (engine/fairness.py)
     kvseal:prefix_cache_hit_tokens_total, kvseal:cached_pages, kvseal:frames_refused_total, kvseal:worker_info
     kvseal:kv_reads_in_flight, _reads_overdue, _read_pages_overdue, _quarantined_pages   gauges (decode, NIXL):
                                                 reads whose pages are claimed, those past their deadline and their
@@ -101,9 +103,37 @@ class EngineCollector(Collector):
         for key, doc in KV_FIGURES.items():
             if key in figures:
                 yield GaugeMetricFamily(f"kvseal:{key}", doc, value=figures[key])
+        yield from tenant_families(e)
         info = InfoMetricFamily("kvseal:worker", "What this worker is (the fleet check compares these)")
         info.add_metric([], self.identity)
         yield info
+
+
+TENANT_FIGURES = (  # engine/fairness.FairShare.figures(): (key, metric, kind, help)
+    ("prefill_tokens", "kvseal:tenant_prefill_tokens", "counter", ("Prompt (and recomputed) tokens this engine fed "
+     "for a tenant")),
+    ("decode_tokens", "kvseal:tenant_decode_tokens", "counter", "Output tokens this engine fed for a tenant"),
+    ("queue_seconds", "kvseal:tenant_queue_seconds", "counter", ("Arrival to first scheduled, summed over a tenant's "
+     "requests")),
+    ("scheduled", "kvseal:tenant_scheduled_requests", "counter", "A tenant's requests first scheduled"),
+    ("vtc", "kvseal:tenant_virtual_tokens", "gauge", ("A tenant's virtual token counter (weighted tokens served over "
+     "its weight; the lowest is admitted next)")),
+    ("kv_pages", "kvseal:tenant_kv_pages", "gauge", "KV pages a tenant's requests hold now"),
+    ("running", "kvseal:tenant_requests_running", "gauge", "A tenant's requests in the batch"),
+    ("waiting", "kvseal:tenant_requests_waiting", "gauge", "A tenant's requests waiting to be scheduled"),
+)
+
+
+def tenant_families(e: Engine) -> Iterator[Any]:
+    """Per tenant: what this engine served it and holds for it (labels: tenant)."""
+    figures = e.scheduler.fair.figures(e.scheduler.running, e.scheduler.waiting)
+    for key, name, kind, doc in TENANT_FIGURES:
+        fam: CounterMetricFamily | GaugeMetricFamily = (
+            CounterMetricFamily(name, doc, labels=["tenant"]) if kind == "counter" else
+            GaugeMetricFamily(name, doc, labels=["tenant"]))
+        for tenant, f in figures.items():
+            fam.add_metric([tenant], f[key])
+        yield fam
 
 
 class WorkerMetrics:

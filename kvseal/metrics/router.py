@@ -9,6 +9,7 @@
                                                  502 kv_verification_failed, ...), streams ended by an error
     kvseal:router_requests_running / _waiting   streaming / not yet given a first token
     kvseal:workers{role,standing}, kvseal:workers_in_rotation{role}, kvseal:fleet_check_refusals_total{role}
+    kvseal:tenant_*{tenant}                     per tenant: tokens, TTFT, 429s, in flight, weight (metrics/tenants.py)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvseal.engine.messages import GenerateDelta, GenerateRequest
+from kvseal.metrics.tenants import LimitsCollector, TenantCounters
 from kvseal.model.tokenizer import Tokenizer
 from kvseal.router.backend import Backend
 from kvseal.router.membership import Standing
@@ -93,6 +95,7 @@ class RouterMetrics:
         self.running = Gauge("kvseal:router_requests_running", "Requests streaming output", registry=r)
         self.waiting = Gauge("kvseal:router_requests_waiting", "Requests not yet given their first token", registry=r)
         r.register(FleetCollector(backend))
+        self.tenants = TenantCounters(r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -130,8 +133,11 @@ class MeteredBackend:
             async for d in gen:
                 now = time.monotonic()
                 if d.error is None and d.token_ids:
+                    m.tenants.generation_tokens.labels(req.tenant).inc(len(d.token_ids))
                     if gauge is m.waiting:
                         m.ttft.observe(now - t0)
+                        m.tenants.ttft.labels(req.tenant).observe(now - t0)
+                        m.tenants.prompt_tokens.labels(req.tenant).inc(d.prompt_tokens)
                         gauge.dec()
                         gauge = m.running
                         gauge.inc()
@@ -172,6 +178,7 @@ def install(app: FastAPI, metrics: RouterMetrics) -> None:
     """GET /metrics (admin keys only: it shows every tenant's load and the fleet) and the outcome counter on an
     app built by router.api.build_app."""
     app.add_middleware(HttpOutcomes, metrics=metrics)
+    metrics.registry.register(LimitsCollector(app.state.limits, app.state.tenant_policies))  # set by build_app
 
     async def exposition(request: Request) -> Response:
         require_admin(request, "/metrics")

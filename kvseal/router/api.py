@@ -5,6 +5,7 @@
 - routes/tokens.py: /tokenize, /detokenize
 - respond.py: deltas -> a whole response or a stream (never a 200 for a request that did not complete)
 - http_errors.py: every failure as OpenAI-shaped JSON with its status
+- ratelimit.py, limits.py: each tenant's max_concurrent, rpm and tpm (429 with Retry-After and x-ratelimit-*)
 
 Every response carries X-Request-Id, and every request that did not complete is logged once
 (router/requestlog.py). Prompts are rendered and tokenized off the event loop (router/text.py).
@@ -22,6 +23,8 @@ from kvseal.config import ServerConfig
 from kvseal.router.backend import Backend
 from kvseal.router.bodylimit import BodyLimit
 from kvseal.router.http_errors import install_error_handlers
+from kvseal.router.limits import RateLimiter
+from kvseal.router.ratelimit import RateLimits
 from kvseal.router.requestlog import RequestLog
 from kvseal.router.routes import generate, status, tokens
 from kvseal.router.tenants import TenantAuth
@@ -42,6 +45,9 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
     app.state.tenant_figures = new_figures()  # each tenant's own requests, for its /info (router/tenantview.py)
     app.add_middleware(TenantFigures, figures=app.state.tenant_figures)  # inside TenantAuth: knows the tenant
+    app.state.tenant_policies = dict(cfg.tenants)  # weight and class for each request (routes/generate.py)
+    app.state.limits = RateLimiter(app.state.tenant_policies)
+    app.add_middleware(RateLimits, limiter=app.state.limits)  # inside TenantAuth, before any body is read
     app.add_middleware(TenantAuth, api_keys=cfg.api_keys, admin_keys=cfg.admin_keys)  # runs before any body is read
     app.add_middleware(RequestLog)  # added last: outermost, it sees every response
     install_error_handlers(app)

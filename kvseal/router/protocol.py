@@ -91,6 +91,8 @@ class _SamplingFields(Strict):
     cache_salt: str | None = None
     return_token_ids: bool = False  # vLLM's extension: choices[0].token_ids holds the generated ids
     response_format: ResponseFormatBody | None = None
+    # vLLM's: lower is scheduled earlier; it orders this request among its own tenant's (never across tenants)
+    priority: Annotated[int, Field(ge=-(2**31), le=_I32)] = 0
 
     @field_validator("stop")
     @classmethod

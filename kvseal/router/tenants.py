@@ -1,66 +1,37 @@
 """Tenants from API keys: `--api-keys FILE` and the HTTP middleware that turns a bearer key into a tenant.
 
-The file has one line per key, `TENANT KEY`, and `#` comments; `TENANT KEY admin` makes that key an admin key
-too: only admin keys see the fleet's internals (/info's workers and endpoints, /metrics, /doctor/probe;
-router/tenantview.py). Keys are kept only as SHA-256 digests from the moment the file is read, and no message, log
-line or /info field ever holds a key (or a line of the file). Without the flag there is one tenant, "", no key
+The file has one line per key, `TENANT KEY`, and `#` comments (router/tenant_file.py: settings per tenant such
+as `weight=3 rpm=600` may follow); `TENANT KEY admin` makes that key an admin key too: only admin keys see the
+fleet's internals (/info's workers and endpoints, /metrics, /doctor/probe; router/tenantview.py). Keys are kept
+only as SHA-256 digests from the moment the file is read, and no message, log line or /info field ever holds a
+key (or a line of the file). Without the flag there is one tenant, "", no key
 is asked for, and every client sees everything (the server says so at start). The tenant travels with each
 request to every worker; prefix caches are keyed by it (seal 9).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
-from pathlib import Path
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-_TENANT = re.compile(r"[A-Za-z0-9_.@:-]{1,64}")
+from kvseal.router.tenant_file import key_digest, read_tenants_file
+
+__all__ = ["OPEN_PATHS", "TenantAuth", "key_digest", "load_api_keys", "read_key_file"]
+
 OPEN_PATHS = frozenset({"/health"})  # the only route that needs no key
-
-
-def key_digest(key: str) -> str:
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def load_api_keys(path: str) -> tuple[tuple[str, str], ...]:
     """(key digest, tenant) for each key in the file. Errors name the file and line, never its content."""
-    return read_key_file(path)[0]
+    return read_tenants_file(path).keys
 
 
 def read_key_file(path: str) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
     """((key digest, tenant) per key, digests of the admin keys)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"invalid --api-keys={path!r}: cannot read it as UTF-8 text ({type(exc).__name__}); "
-                         f"give a file with one `TENANT KEY` line per key") from None
-    out: dict[str, str] = {}
-    admins: list[str] = []
-    first_line: dict[str, int] = {}
-    for n, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        parts = line.split()
-        if len(parts) not in (2, 3) or not _TENANT.fullmatch(parts[0]) or parts[2:] not in ([], ["admin"]):
-            raise ValueError(f"invalid --api-keys={path!r} line {n}: expected `TENANT KEY` or `TENANT KEY admin` "
-                             f"(a tenant name of letters, digits and _.@:- up to 64 characters, a space, the key, "
-                             f"and `admin` for a key that may see the fleet's internals)")
-        digest = key_digest(parts[1])
-        if digest in out:
-            raise ValueError(f"invalid --api-keys={path!r} line {n}: the same key as line {first_line[digest]}; "
-                             f"each key names one tenant")
-        out[digest], first_line[digest] = parts[0], n
-        if parts[2:] == ["admin"]:
-            admins.append(digest)
-    if not out:
-        raise ValueError(f"invalid --api-keys={path!r}: the file holds no `TENANT KEY` line; add one per key, or "
-                         f"leave the flag out to serve without keys (one tenant)")
-    return tuple(out.items()), tuple(admins)
+    f = read_tenants_file(path)
+    return f.keys, f.admins
 
 
 class TenantAuth:

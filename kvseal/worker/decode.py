@@ -4,9 +4,12 @@ A request joins a batch only after every manifest field and every page checksum 
 (seal 4). A mismatch nacks the sender, FAILS the request with the verification error, scrubs and frees
 the reserved pages, and tells the router; not one token is produced from unverified KV.
 
-A reservation that finds no free pages waits in arrival order (bounded by --max-waiting, then 503); a later
-request never takes pages ahead of an earlier one. Each request's deltas are numbered for the router's
-continuity check.
+A reservation that finds no free pages waits (bounded by --max-waiting, then 503). The next one granted is the
+one the engine's fairness would admit next (engine/fairness.py: with vtc, of the tenant served least; within a
+tenant by priority, then arrival; with off, arrival order), and only when it fits: no other request takes pages
+ahead of it. A tenant with a kv_share holds at most that share of the pool in reservations and requests (at
+their longest); its further reservations wait without holding back other tenants'. Each request's deltas are
+numbered for the router's continuity check.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class DecodeWorker(WorkerServer):
         self.reservation_timeout_s = reservation_timeout_s
         self.owners: dict[str, bytes] = {}  # request id -> the router that streams it
         self.next_seq: dict[str, int] = {}  # request id -> the number of its next delta
-        self.queue: deque[_Queued] = deque()  # reservations waiting for pages, in arrival order
+        self.queue: deque[_Queued] = deque()  # reservations waiting for pages, in arrival order (oldest first)
         self._next_expiry = 0.0
 
     def info(self) -> dict[str, object]:
@@ -82,7 +85,7 @@ class DecodeWorker(WorkerServer):
                 self.counters["requests_received"] += 1
                 try:
                     self.refuse_new()
-                    if self.queue or not self._fits_now(req):
+                    if self.queue or not self._fits_now(req) or not self.dengine.within_share(req):
                         self._enqueue(_Queued(ident, cid, req))
                         return
                     self._reserve(_Queued(ident, cid, req))
@@ -124,9 +127,18 @@ class DecodeWorker(WorkerServer):
         self.owners[q.request.request_id] = q.ident
         self.send(q.ident, P.ReserveResp(call_id=q.call_id, reservation=res))
 
+    def _next_queued(self) -> _Queued | None:
+        """The reservation to grant next: of those whose tenant stays within its kv_share, the one fairness picks
+        (a tenant at its share waits without holding back the others)."""
+        ready = [q for q in self.queue if self.dengine.within_share(q.request)]
+        if not ready:
+            return None
+        return self.dengine.scheduler.fair.pick(ready, lambda q: (
+            q.request.tenant, q.request.priority_class, q.request.priority, q.since))
+
     def _grant_queued(self) -> None:
-        while self.queue and self._fits_now(self.queue[0].request):
-            q = self.queue.popleft()
+        while (q := self._next_queued()) is not None and self._fits_now(q.request):
+            self.queue.remove(q)
             try:
                 self._reserve(q)
             except KvsealError as err:

@@ -89,3 +89,38 @@ def test_a_queue_that_moves_is_never_timed_out_one_that_cannot_is(worker: Decode
     assert not worker.queue
     (msg,) = [m for _, m in worker.sent if isinstance(m, P.ReserveResp) and m.error is not None]  # type: ignore
     assert msg.error.status == 503 and "no KV pages were freed" in msg.error.message
+
+
+def test_queued_reservations_go_to_the_tenant_served_least_first(worker: DecodeWorker) -> None:
+    def ask(rid: str, tenant: str, prompt: int = 24) -> None:
+        req = GenerateRequest(rid, [5] * prompt, SamplingParams(max_tokens=4, temperature=0.0), tenant=tenant)
+        worker.handle(ROUTER, P.ReserveReq(call_id=hash(rid) % 10**6, request=req))
+
+    ask("a1", "a")
+    ask("a2", "a")  # a holds 12 of the 16 pages
+    worker.dengine.scheduler.fair.books["a"].counter = 500.0  # a has been served a lot here
+    ask("a3", "a")  # queued: does not fit
+    ask("b1", "b")  # queued behind a3 in arrival order, but b was served least
+    worker.handle(ROUTER, P.ReleaseReq(request_id="a1", error=ErrorInfo("X", "x", 500, "x"), rejected=True))
+    worker.pump()  # room for one: b1 gets it, a3 still waits (nothing skips ahead of b1 meanwhile)
+    granted = [m.reservation.request_id for _, m in worker.sent if isinstance(m, P.ReserveResp)  # type: ignore
+               and m.reservation is not None]
+    assert granted == ["a1", "a2", "b1"] and [q.request.request_id for q in worker.queue] == ["a3"]
+
+
+def test_a_tenant_at_its_kv_share_waits_without_holding_back_another(worker: DecodeWorker) -> None:
+    def ask(rid: str, tenant: str, share: float) -> None:
+        req = GenerateRequest(rid, [5] * 16, SamplingParams(max_tokens=4, temperature=0.0), tenant=tenant,
+                              kv_share=share)
+        worker.handle(ROUTER, P.ReserveReq(call_id=hash(rid) % 10**6, request=req))
+
+    ask("a1", "a", 0.5)  # 5 of the 16 pages at its longest (20 tokens)
+    ask("a2", "a", 0.5)  # 10 of its 8: over its share, queued though the pool has room
+    ask("b1", "b", 1.0)  # another tenant: granted at the worker's next turn, not behind a2
+    worker.pump()
+    granted = [m.reservation.request_id for _, m in worker.sent if isinstance(m, P.ReserveResp)  # type: ignore
+               and m.reservation is not None]
+    assert granted == ["a1", "b1"] and [q.request.request_id for q in worker.queue] == ["a2"]
+    worker.handle(ROUTER, P.ReleaseReq(request_id="a1", error=ErrorInfo("X", "x", 500, "x"), rejected=True))
+    worker.pump()  # a holds nothing now: a2 may go
+    assert not worker.queue

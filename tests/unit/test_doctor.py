@@ -96,3 +96,22 @@ def test_a_tenant_key_is_told_to_use_an_admin_key(capsys: pytest.CaptureFixture[
     with mock.patch.object(httpx.Client, "get", return_value=resp):
         code = run_doctor(argparse.Namespace(url="http://x", api_key="sk-alice", timeout=5.0, no_probe=True))
     assert code == 2 and "admin key" in capsys.readouterr().err
+
+
+def test_the_tenant_table_sets_each_tenants_token_share_against_its_weight_share() -> None:
+    from kvseal.doctor import tenant_table
+
+    def worker(role: str, tenants: dict[str, dict[str, float]]) -> dict[str, object]:
+        return {"role": role, "endpoint": f"tcp://{role}", "state": "serving", "alive": True, "tenants": tenants}
+
+    info = {"role": "router", "workers": [
+        worker("prefill", {"a": {"prefill_tokens": 600, "weight": 3, "queue_seconds": 1.0, "scheduled": 10},
+                           "b": {"prefill_tokens": 200, "weight": 1, "queue_seconds": 0.5, "scheduled": 5}}),
+        worker("decode", {"a": {"decode_tokens": 150, "weight": 3, "kv_pages": 7},
+                          "b": {"decode_tokens": 50, "weight": 1}})]}
+    text = tenant_table(info)
+    assert text is not None
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[1:]}
+    assert rows["a"][1:5] == ["3", "0.750", "750", "0.750"] and rows["a"][5] == "100" and rows["a"][-1] == "7"
+    assert rows["b"][1:5] == ["1", "0.250", "250", "0.250"]
+    assert tenant_table({"role": "router", "workers": [worker("decode", {})]}) is None  # nothing served yet

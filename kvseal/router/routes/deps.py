@@ -1,9 +1,10 @@
-"""What a route reads from its request: the app's backend and the caller's tenant."""
+"""What a route reads from its request: the app's backend, the caller's tenant and its settings."""
 
 from __future__ import annotations
 
 from fastapi import Request
 
+from kvseal.config import TenantPolicy
 from kvseal.errors import ModelNotFound
 from kvseal.router.backend import Backend
 
@@ -15,6 +16,15 @@ def backend_of(request: Request) -> Backend:
 
 def tenant_of(request: Request) -> str:
     return str(request.state.tenant)  # set by TenantAuth: "" when the server has no --api-keys
+
+
+def policy_of(request: Request) -> TenantPolicy:
+    """The caller's settings from the tenants file (defaults for a tenant without any): never from the body."""
+    policies: dict[str, TenantPolicy] = getattr(request.app.state, "tenant_policies", {})
+    return policies.get(tenant_of(request), DEFAULT_POLICY)
+
+
+DEFAULT_POLICY = TenantPolicy()
 
 
 def check_model(backend: Backend, name: str | None) -> None:

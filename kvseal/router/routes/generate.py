@@ -18,10 +18,11 @@ from kvseal.errors import ContextLengthExceeded, InvalidRequest
 from kvseal.router import respond
 from kvseal.router.backend import Backend
 from kvseal.router.fanout import Deltas, Fanout
+from kvseal.router.limits import Lease, RateLimiter
 from kvseal.router.openai_format import ResponseBuilder
 from kvseal.router.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
 from kvseal.router.requestlog import trace_of
-from kvseal.router.routes.deps import backend_of, check_model, tenant_of
+from kvseal.router.routes.deps import backend_of, check_model, policy_of, tenant_of
 from kvseal.router.text import encode_text, render_chat
 
 router = APIRouter()
@@ -69,6 +70,16 @@ def response_format_of(body: ChatCompletionRequest | CompletionRequest) -> Respo
     return response_format(fmt.type, fmt.json_schema.schema_ if fmt.json_schema is not None else None)
 
 
+async def counted(gen: Deltas, lease: Lease) -> Deltas:
+    """The deltas of one sample, its output tokens added to what the request used (refunded to tpm at its end)."""
+    try:
+        async for d in gen:
+            lease.used += len(d.token_ids)
+            yield d
+    finally:
+        await gen.aclose()
+
+
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, request: Request) -> Any:
     backend = backend_of(request)
@@ -113,12 +124,19 @@ async def run(request: Request, body: ChatCompletionRequest | CompletionRequest,
         min_tokens=body.min_tokens,
     )
     rid = ("chatcmpl-" if chat else "cmpl-") + trace_of(request.scope).request_id
-    tenant = tenant_of(request)
+    tenant, policy = tenant_of(request), policy_of(request)
+    lease: Lease | None = getattr(request.state, "rate_lease", None)  # set by router/ratelimit.py
+    if lease is not None:  # tpm: before any worker sees the request
+        limiter: RateLimiter = request.app.state.limits
+        limiter.charge(lease, len(ids), body.n * max_tokens)
 
     def start(i: int) -> Deltas:  # sample i of n: its own id and seed stream, the same prompt
         sample = msgspec.structs.replace(params, seed=sample_seed(params.seed, i))
-        return backend.generate(GenerateRequest(rid if i == 0 else f"{rid}-{i}", ids, sample, tenant=tenant,
-                                                cache_salt=body.cache_salt))
+        gen = backend.generate(GenerateRequest(
+            rid if i == 0 else f"{rid}-{i}", ids, sample, tenant=tenant, cache_salt=body.cache_salt,
+            weight=policy.weight, priority_class=policy.priority_class, kv_share=policy.kv_share,
+            priority=body.priority))
+        return gen if lease is None else counted(gen, lease)
 
     fan = Fanout(start, body.n)
     builder = ResponseBuilder(rid, backend.model_name, chat, body.return_token_ids)

@@ -1,0 +1,132 @@
+"""Who is served next when tenants compete for one engine: the Virtual Token Counter (VTC; Sheng et al., "Fairness
+in Serving Large Language Models", OSDI'24).
+
+Each tenant has a counter of the service it got, in weighted tokens: every token fed to the model for it adds
+W_PREFILL (a prompt or recomputed token) or W_DECODE (an output token) divided by the tenant's weight. Admission
+takes the next request from the waiting tenant with the lowest (priority class, counter); within a tenant, the
+lowest `priority` first (vLLM's meaning), then first come, first served. A tenant that becomes active again has its
+counter lifted to the lowest counter of the tenants active now (on an idle engine, to the highest of all), so
+time away never banks credit. Preemption takes its victim from the running tenant most over its share (highest
+class, then highest counter), its lowest-priority newest request. Nothing waits while there is room: a tenant
+alone gets every slot (work-conserving).
+
+Invariant: while two tenants of a class stay backlogged, their counters differ by at most the largest cost one
+admission step can add (a chunk or one decode step of the batch), so the tokens they are served approach the ratio
+of their weights. `off` keeps arrival order (FCFS) and preempts the newest request: the baseline the benchmark
+compares against.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvseal.engine.sequence import Sequence
+
+Q = TypeVar("Q")
+W_PREFILL, W_DECODE = 1.0, 2.0  # VTC's weights: an output token costs about twice a prompt token
+FAIRNESS = ("vtc", "off")
+
+
+@dataclass
+class TenantBook:
+    """What one engine served a tenant (kept in both modes, for /info and /metrics)."""
+
+    counter: float = 0.0  # VTC: weighted tokens served / weight
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    queue_seconds: float = 0.0  # arrival to first scheduled, summed over its requests
+    scheduled: int = 0  # requests first scheduled
+    weight: float = 1.0
+
+
+class FairShare:
+    def __init__(self, mode: str = "vtc") -> None:
+        if mode not in FAIRNESS:
+            raise ValueError(f"invalid fairness={mode!r}: use {' or '.join(FAIRNESS)}")
+        self.vtc = mode == "vtc"
+        self.books: defaultdict[str, TenantBook] = defaultdict(TenantBook)
+
+    def activate(self, seq: Sequence, active: set[str]) -> None:
+        """seq arrives; `active`: the tenants with a request waiting or running before it."""
+        book = self.books[seq.tenant]
+        book.weight = seq.weight
+        if seq.tenant in active:
+            return
+        # back after a pause: no credit banked meanwhile. Against the tenants busy now, the least served of them;
+        # on an idle engine, the most served of all (an idle point forgets who was served more before it: a tenant
+        # that sent a little often must not owe the service it got to one that was away)
+        lift = (min(self.books[t].counter for t in active) if active else
+                max(b.counter for b in self.books.values()))
+        book.counter = max(book.counter, lift)
+
+    def charge(self, seq: Sequence, n: int, sign: int = 1) -> None:
+        """n tokens fed for seq this step (sign -1: taken back out of the batch)."""
+        book = self.books[seq.tenant]
+        decode = seq.num_computed >= len(seq.prompt_ids)  # an output token (recompute counts as prefill)
+        if decode:
+            book.decode_tokens += sign * n
+        else:
+            book.prefill_tokens += sign * n
+        book.counter += sign * n * (W_DECODE if decode else W_PREFILL) / seq.weight
+
+    def first_scheduled(self, seq: Sequence, waited: float) -> None:
+        book = self.books[seq.tenant]
+        book.queue_seconds += waited
+        book.scheduled += 1
+
+    def admission_order(self, waiting: Iterable[Sequence]) -> Iterator[Sequence]:
+        """The waiting sequences in the order to try them. Lazy: each choice reads the counters as charged by the
+        admissions before it in the same step."""
+        if not self.vtc:
+            yield from list(waiting)
+            return
+        queues: dict[str, list[Sequence]] = {}
+        for s in waiting:
+            queues.setdefault(s.tenant, []).append(s)
+        for q in queues.values():
+            q.sort(key=lambda s: (s.priority, s.arrival), reverse=True)  # the next one at the end
+        while queues:
+            t = min(queues, key=lambda t: (queues[t][-1].priority_class, self.books[t].counter, t))
+            seq = queues[t].pop()
+            if not queues[t]:
+                del queues[t]
+            yield seq
+
+    def pick(self, items: Sequence_[Q], describe: Callable[[Q], tuple[str, int, int, float]]) -> Q:
+        """The item to serve first of a queue kept outside the scheduler (decode's reservations): off, the first;
+        vtc, as admission_order would. describe(item) -> (tenant, priority class, priority, arrival)."""
+        if not self.vtc:
+            return items[0]
+
+        def key(q: Q) -> tuple[int, float, str, int, float]:
+            tenant, cls, priority, arrival = describe(q)
+            return cls, self.books[tenant].counter if tenant in self.books else 0.0, tenant, priority, arrival
+
+        return min(items, key=key)
+
+    def victim(self, running: list[Sequence]) -> Sequence:
+        """The running sequence to preempt when pages run out."""
+        if not self.vtc:
+            return running[-1]
+        worst = max(running, key=lambda s: (s.priority_class, self.books[s.tenant].counter))
+        mine = [s for s in running if s.tenant == worst.tenant]
+        return max(mine, key=lambda s: (s.priority, s.arrival))
+
+    def figures(self, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> dict[str, dict[str, float]]:
+        """tenant -> what this engine served it, its counter, its weight, and the pages and requests it holds now."""
+        pages: defaultdict[str, int] = defaultdict(int)
+        counts: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for s in running:
+            pages[s.tenant] += len(s.pages)
+            counts[s.tenant][0] += 1
+        for s in waiting:
+            pages[s.tenant] += len(s.pages)
+            counts[s.tenant][1] += 1
+        return {t: {"prefill_tokens": b.prefill_tokens, "decode_tokens": b.decode_tokens, "vtc": round(b.counter, 3),
+                    "weight": b.weight, "queue_seconds": round(b.queue_seconds, 6), "scheduled": b.scheduled,
+                    "kv_pages": pages[t], "running": counts[t][0], "waiting": counts[t][1]}
+                for t, b in sorted(self.books.items())}
