@@ -24,6 +24,8 @@ from kvseal.router.fanout import Fanout
 from kvseal.router.http_errors import failed
 from kvseal.router.openai_format import Choice, ResponseBuilder, chat_logprobs, completion_logprobs, usage
 from kvseal.router.requestlog import trace_of
+from kvseal.router.tools.output import StreamCalls, split_whole, whole_calls
+from kvseal.router.tools.plan import ToolPlan
 
 INCOMPLETE = "the backend ended a request without an outcome"
 
@@ -65,7 +67,7 @@ class _Sample:
 
 
 async def whole(request: Request, tok: Tokenizer, fan: Fanout, builder: ResponseBuilder,
-                chat: bool) -> JSONResponse:
+                chat: bool, plan: ToolPlan | None = None) -> JSONResponse:
     samples = [_Sample() for _ in range(fan.n)]
 
     async def collect() -> GenerateDelta | None:
@@ -97,13 +99,19 @@ async def whole(request: Request, tok: Tokenizer, fan: Fanout, builder: Response
         assert bad.error is not None
         return failed(request, KvsealError.from_info(bad.error), bad)
     finals = [s.final for s in samples if s.final is not None]
-    choices = [Choice("".join(s.parts), f.final or "stop", format_lps(tok, s.lps, chat, 0), s.ids)
-               for s, f in zip(samples, finals)]
+    choices = []
+    for s, f in zip(samples, finals):
+        text, finish, calls = "".join(s.parts), f.final or "stop", None
+        if plan is not None:
+            text, parsed = split_whole(plan.splitter(), text)
+            if parsed:
+                calls, finish = whole_calls(parsed), "tool_calls"
+        choices.append(Choice(text, finish, format_lps(tok, s.lps, chat, 0), s.ids, calls))
     return JSONResponse(builder.whole(choices, usage_of(finals)))
 
 
 async def stream(request: Request, tok: Tokenizer, fan: Fanout, builder: ResponseBuilder, include_usage: bool,
-                 chat: bool) -> Any:
+                 chat: bool, plan: ToolPlan | None = None) -> Any:
     # Wait for the first delta before committing to a 200: an error that comes first is a real status.
     first_task = asyncio.ensure_future(fan.next())
     if not await until_done(request, first_task, fan):
@@ -120,6 +128,7 @@ async def stream(request: Request, tok: Tokenizer, fan: Fanout, builder: Respons
     async def events() -> AsyncIterator[str]:
         offsets = [0] * fan.n
         finals: dict[int, GenerateDelta] = {}
+        calls = [StreamCalls(plan.splitter()) for _ in range(fan.n)] if plan is not None else None
         i, d = first
         try:
             if chat:
@@ -140,7 +149,10 @@ async def stream(request: Request, tok: Tokenizer, fan: Fanout, builder: Respons
                     trace.stream_error = True
                     yield _sse(err.to_openai())
                     return
-                if d.text or d.logprobs or d.final:
+                if calls is not None:  # tools: content and calls as the splitter decides them (no logprobs)
+                    for chunk in _tool_chunks(builder, calls[i], d, i):
+                        yield _sse(chunk)
+                elif d.text or d.logprobs or d.final:
                     yield _sse(builder.chunk(d.text, d.final, format_lps(tok, d.logprobs, chat, offsets[i]),
                                              token_ids=d.token_ids, index=i))
                     offsets[i] += len(d.text)
@@ -156,6 +168,17 @@ async def stream(request: Request, tok: Tokenizer, fan: Fanout, builder: Respons
             await fan.aclose()  # a disconnect cancels this generator: every sample is aborted
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _tool_chunks(builder: ResponseBuilder, calls: StreamCalls, d: GenerateDelta, i: int) -> list[dict[str, Any]]:
+    out = [builder.chunk(text, None, None, index=i, tool_calls=tc) for text, tc in calls.deltas(d.text, bool(d.final))]
+    if d.final is not None:
+        out.append(builder.chunk(None, "tool_calls" if calls.calls else d.final, None, index=i))
+    if builder.token_ids and d.token_ids:  # the delta's ids ride on its first chunk (or an empty one)
+        if not out:
+            out.append(builder.chunk(None, None, None, index=i))
+        out[0]["choices"][0]["token_ids"] = d.token_ids
+    return out
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ from kvseal.router.protocol import ChatCompletionRequest, CompletionRequest, mes
 from kvseal.router.requestlog import trace_of
 from kvseal.router.routes.deps import backend_of, check_model, tenant_of
 from kvseal.router.text import encode_text, render_chat
+from kvseal.router.tools.plan import Function, ToolPlan, plan_tools
 
 router = APIRouter()
 
@@ -37,11 +38,27 @@ async def encode(backend: Backend, text: str, param: str, add_special_tokens: bo
     return await encode_text(backend.tokenizer, text, add_special_tokens=add_special_tokens)
 
 
-async def chat_prompt(backend: Backend, body: ChatCompletionRequest) -> list[int]:
+def tool_plan(backend: Backend, body: ChatCompletionRequest) -> ToolPlan | None:
+    functions = None if body.tools is None else [
+        Function(t.function.name, t.function.description, t.function.parameters) for t in body.tools]
+    fmt = body.response_format
+    plan = plan_tools(backend.tokenizer.chat_template, functions, body.choice_name(), body.parallel_tool_calls,
+                      has_response_format=fmt is not None and fmt.type != "text")
+    if plan is not None and body.logprobs:
+        raise InvalidRequest("logprobs cannot be combined with tools (tool_choice other than none)",
+                             param="logprobs")
+    return plan
+
+
+async def chat_prompt(backend: Backend, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
+    messages = message_dicts(body.messages)
     try:
-        text = await render_chat(backend.tokenizer, message_dicts(body.messages), body.add_generation_prompt)
+        text = await render_chat(backend.tokenizer, messages, body.add_generation_prompt,
+                                 plan.template_tools if plan is not None else None)
     except ValueError as exc:
         raise InvalidRequest(f"messages: {exc}", param="messages") from exc
+    if plan is not None:
+        text += plan.prompt_suffix  # a forced call: the prompt opens it, the grammar writes it
     return await encode(backend, text, "messages", add_special_tokens=False)
 
 
@@ -73,9 +90,10 @@ def response_format_of(body: ChatCompletionRequest | CompletionRequest) -> Respo
 async def chat(body: ChatCompletionRequest, request: Request) -> Any:
     backend = backend_of(request)
     check_model(backend, body.model)
-    ids = await chat_prompt(backend, body)
+    plan = tool_plan(backend, body)
+    ids = await chat_prompt(backend, body, plan)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    return await run(request, body, ids, body.max_completion_tokens or body.max_tokens, top, chat=True)
+    return await run(request, body, ids, body.max_completion_tokens or body.max_tokens, top, chat=True, plan=plan)
 
 
 @router.post("/v1/completions")
@@ -87,7 +105,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
 
 async def run(request: Request, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
-              max_tokens: int | None, top_logprobs: int | None, chat: bool) -> Any:
+              max_tokens: int | None, top_logprobs: int | None, chat: bool, plan: ToolPlan | None = None) -> Any:
     backend = backend_of(request)
     window = backend.context_window
     if not ids:
@@ -100,13 +118,13 @@ async def run(request: Request, body: ChatCompletionRequest | CompletionRequest,
             f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
             f"Please reduce the length of the prompt or completion.", param="messages" if chat else "prompt")
     params = SamplingParams(
-        response_format=response_format_of(body),
+        response_format=plan.response_format if plan is not None else response_format_of(body),
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(body.top_k or 0, 0),
         seed=body.seed,
-        stop=body.stop_list(),
+        stop=body.stop_list() + (plan.stops if plan is not None else ()),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=top_logprobs,
@@ -124,5 +142,5 @@ async def run(request: Request, body: ChatCompletionRequest | CompletionRequest,
     builder = ResponseBuilder(rid, backend.model_name, chat, body.return_token_ids)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond.stream(request, backend.tokenizer, fan, builder, include_usage, chat)
-    return await respond.whole(request, backend.tokenizer, fan, builder, chat)
+        return await respond.stream(request, backend.tokenizer, fan, builder, include_usage, chat, plan)
+    return await respond.whole(request, backend.tokenizer, fan, builder, chat, plan)
