@@ -104,9 +104,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     return await run(request, body, ids, body.max_tokens, body.logprobs, chat=False)
 
 
-async def run(request: Request, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
-              max_tokens: int | None, top_logprobs: int | None, chat: bool, plan: ToolPlan | None = None) -> Any:
-    backend = backend_of(request)
+def budget(backend: Backend, ids: list[int], max_tokens: int | None, param: str) -> int:
+    """max_tokens for a prompt (the rest of the window when absent); over the window, 400 before any worker sees
+    the request (seal 3)."""
     window = backend.context_window
     if not ids:
         raise InvalidRequest("the prompt is empty", param="prompt")
@@ -116,7 +116,26 @@ async def run(request: Request, body: ChatCompletionRequest | CompletionRequest,
         raise ContextLengthExceeded(
             f"This model's maximum context length is {window} tokens. However, you requested "
             f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
-            f"Please reduce the length of the prompt or completion.", param="messages" if chat else "prompt")
+            f"Please reduce the length of the prompt or completion.", param=param)
+    return max_tokens
+
+
+def fan_out(request: Request, rid: str, ids: list[int], params: SamplingParams, n: int,
+            cache_salt: str | None) -> Fanout:
+    backend, tenant = backend_of(request), tenant_of(request)
+
+    def start(i: int) -> Deltas:  # sample i of n: its own id and seed stream, the same prompt
+        sample = msgspec.structs.replace(params, seed=sample_seed(params.seed, i))
+        return backend.generate(GenerateRequest(rid if i == 0 else f"{rid}-{i}", ids, sample, tenant=tenant,
+                                                cache_salt=cache_salt))
+
+    return Fanout(start, n)
+
+
+async def run(request: Request, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
+              max_tokens: int | None, top_logprobs: int | None, chat: bool, plan: ToolPlan | None = None) -> Any:
+    backend = backend_of(request)
+    max_tokens = budget(backend, ids, max_tokens, "messages" if chat else "prompt")
     params = SamplingParams(
         response_format=plan.response_format if plan is not None else response_format_of(body),
         max_tokens=max_tokens,
@@ -131,16 +150,10 @@ async def run(request: Request, body: ChatCompletionRequest | CompletionRequest,
         min_tokens=body.min_tokens,
     )
     rid = ("chatcmpl-" if chat else "cmpl-") + trace_of(request.scope).request_id
-    tenant = tenant_of(request)
-
-    def start(i: int) -> Deltas:  # sample i of n: its own id and seed stream, the same prompt
-        sample = msgspec.structs.replace(params, seed=sample_seed(params.seed, i))
-        return backend.generate(GenerateRequest(rid if i == 0 else f"{rid}-{i}", ids, sample, tenant=tenant,
-                                                cache_salt=body.cache_salt))
-
-    fan = Fanout(start, body.n)
+    fan = fan_out(request, rid, ids, params, body.n, body.cache_salt)
     builder = ResponseBuilder(rid, backend.model_name, chat, body.return_token_ids)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond.stream(request, backend.tokenizer, fan, builder, include_usage, chat, plan)
+        fmt = respond.OpenAIStream(backend.tokenizer, builder, body.n, include_usage, chat, plan)
+        return await respond.stream(request, fan, fmt)
     return await respond.whole(request, backend.tokenizer, fan, builder, chat, plan)
