@@ -3,6 +3,7 @@
 - routes/status.py: /health, /info, /v1/models, /version
 - routes/generate.py: /v1/chat/completions, /v1/completions (request -> GenerateRequest)
 - routes/tokens.py: /tokenize, /detokenize
+- routes/responses.py: OpenAI's /v1/responses (stored responses per tenant: response_store.py)
 - routes/messages.py: Anthropic's /v1/messages and /v1/messages/count_tokens (errors in Anthropic's shape:
   anthropic_errors.py)
 - respond.py: deltas -> a whole response or a stream (never a 200 for a request that did not complete)
@@ -26,7 +27,8 @@ from kvseal.router.backend import Backend
 from kvseal.router.bodylimit import BodyLimit
 from kvseal.router.http_errors import install_error_handlers
 from kvseal.router.requestlog import RequestLog
-from kvseal.router.routes import generate, messages, status, tokens
+from kvseal.router.response_store import ResponseStore
+from kvseal.router.routes import generate, messages, responses, status, tokens
 from kvseal.router.tenants import TenantAuth
 from kvseal.router.tenantview import TenantFigures, new_figures
 
@@ -49,6 +51,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
     app.add_middleware(AnthropicErrors)  # outside every part that may write an error: one shape per route
     app.add_middleware(RequestLog)  # added last: outermost, it sees every response
     install_error_handlers(app)
-    for module in (status, generate, tokens, messages):
+    app.state.responses = ResponseStore()  # the Responses API's stored responses, each under its tenant
+    for module in (status, generate, tokens, messages, responses):
         app.include_router(module.router)
     return app

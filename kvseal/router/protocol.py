@@ -204,7 +204,7 @@ class DetokenizeRequest(Strict):
     tokens: list[Annotated[int, Field(ge=0, le=_I32)]]
 
 
-def _template_arguments(text: str) -> Any:
+def template_arguments(text: str) -> Any:
     """A call's arguments as templates render them (`arguments | tojson`): the object, or the text if not JSON."""
     try:
         return json.loads(text)
@@ -223,7 +223,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 raise InvalidRequest(f"messages.{i}.tool_calls: only assistant messages carry tool calls",
                                      param=f"messages.{i}.tool_calls")
             d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _template_arguments(c.function.arguments)}}
+                "name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
                 for c in m.tool_calls]
         if m.tool_call_id is not None:
             if m.role != "tool":
