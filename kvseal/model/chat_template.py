@@ -109,12 +109,14 @@ def render_chat_template(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     special_tokens: dict[str, str],
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Render already-normalized messages; template errors become ValueError."""
+    """Render already-normalized messages (tools: OpenAI's tool objects, as transformers passes them); template
+    errors become ValueError."""
     try:
         return template.render(
             messages=messages,
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **special_tokens,

@@ -81,7 +81,8 @@ class Tokenizer:
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text for a conversation, rendered with the model's own template."""
         if not self.chat_template:
             raise ValueError(
@@ -92,7 +93,7 @@ class Tokenizer:
         if self._compiled is None:
             self._compiled = compile_chat_template(self.chat_template)
         specials = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token)) if v}
-        return render_chat_template(self._compiled, normalized, add_generation_prompt, specials)
+        return render_chat_template(self._compiled, normalized, add_generation_prompt, specials, tools)
 
     def with_chat_template(self, source: str, origin: str = "--chat-template") -> Tokenizer:
         """The same tokenizer rendering chats with `source` instead of the model's own template (vLLM's

@@ -3,6 +3,9 @@
 - routes/status.py: /health, /info, /v1/models, /version
 - routes/generate.py: /v1/chat/completions, /v1/completions (request -> GenerateRequest)
 - routes/tokens.py: /tokenize, /detokenize
+- routes/responses.py: OpenAI's /v1/responses (stored responses per tenant: response_store.py)
+- routes/messages.py: Anthropic's /v1/messages and /v1/messages/count_tokens (errors in Anthropic's shape:
+  anthropic_errors.py)
 - respond.py: deltas -> a whole response or a stream (never a 200 for a request that did not complete)
 - http_errors.py: every failure as OpenAI-shaped JSON with its status
 - ratelimit.py, limits.py: each tenant's max_concurrent, rpm and tpm (429 with Retry-After and x-ratelimit-*)
@@ -20,13 +23,15 @@ from fastapi import FastAPI
 
 from kvseal import __version__
 from kvseal.config import ServerConfig
+from kvseal.router.anthropic_errors import AnthropicErrors
 from kvseal.router.backend import Backend
 from kvseal.router.bodylimit import BodyLimit
 from kvseal.router.http_errors import install_error_handlers
 from kvseal.router.limits import RateLimiter
 from kvseal.router.ratelimit import RateLimits
 from kvseal.router.requestlog import RequestLog
-from kvseal.router.routes import generate, status, tokens
+from kvseal.router.response_store import ResponseStore
+from kvseal.router.routes import generate, messages, responses, status, tokens
 from kvseal.router.tenants import TenantAuth
 from kvseal.router.tenantview import TenantFigures, new_figures
 
@@ -49,8 +54,10 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
     app.state.limits = RateLimiter(app.state.tenant_policies)
     app.add_middleware(RateLimits, limiter=app.state.limits)  # inside TenantAuth, before any body is read
     app.add_middleware(TenantAuth, api_keys=cfg.api_keys, admin_keys=cfg.admin_keys)  # runs before any body is read
+    app.add_middleware(AnthropicErrors)  # outside every part that may write an error: one shape per route
     app.add_middleware(RequestLog)  # added last: outermost, it sees every response
     install_error_handlers(app)
-    for module in (status, generate, tokens):
+    app.state.responses = ResponseStore()  # the Responses API's stored responses, each under its tenant
+    for module in (status, generate, tokens, messages, responses):
         app.include_router(module.router)
     return app

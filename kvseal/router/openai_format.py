@@ -51,6 +51,7 @@ class Choice:
     finish: str
     logprobs: dict[str, Any] | None
     token_ids: list[int]
+    tool_calls: list[dict[str, Any]] | None = None  # chat only: the answer's calls (content None when no text)
 
 
 class ResponseBuilder:
@@ -68,7 +69,9 @@ class ResponseBuilder:
         for i, c in enumerate(choices):
             choice: dict[str, Any] = {"index": i}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["message"] = {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None}
+                if c.tool_calls:
+                    choice["message"]["tool_calls"] = c.tool_calls
             else:
                 choice["text"] = c.text
             choice |= {"logprobs": c.logprobs, "finish_reason": c.finish}
@@ -79,7 +82,8 @@ class ResponseBuilder:
         return {**self._base(obj), "choices": out, "usage": use}
 
     def chunk(self, text: str | None, finish: str | None, logprobs: dict[str, Any] | None,
-              role: bool = False, token_ids: list[int] | None = None, index: int = 0) -> dict[str, Any]:
+              role: bool = False, token_ids: list[int] | None = None, index: int = 0,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         if self.chat:
             delta: dict[str, Any] = {}
@@ -87,6 +91,8 @@ class ResponseBuilder:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_calls is not None:
+                delta["tool_calls"] = tool_calls
             choice["delta"] = delta
         else:
             choice["text"] = text or ""

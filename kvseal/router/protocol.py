@@ -1,15 +1,19 @@
 """OpenAI request bodies, validated. Anything out of range is a 400 with the parameter named.
 
 Extensions that vLLM and SGLang users expect are accepted too: top_k, min_tokens, ignore_eos,
-stop_token_ids, cache_salt, return_token_ids. A field kvseal does not implement (tools, logit_bias, ...) is a
+stop_token_ids, cache_salt, return_token_ids. A field kvseal does not implement (logit_bias, ...) is a
 400 that names it, never silently dropped (seal 2: no stand-in answers); a field sent as null counts as absent.
+Tools (router/tools/) are honoured for templates kvseal has a call parser for, and a 400 naming `tools` otherwise.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvseal.errors import InvalidRequest
 
 _MAX_STOPS = 16
 MAX_N = 16  # samples per request (each is a request of its own on the workers)
@@ -38,10 +42,47 @@ class ContentPart(Strict):
     text: str
 
 
+_FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class FunctionDef(Strict):
+    name: Annotated[str, Field(pattern=_FUNCTION_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; enforced under tool_choice required or named
+    strict: bool | None = None
+
+
+class ToolDef(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI writes it
+
+
+class ToolCallPart(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallPart] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages only
 
     def text(self) -> str:
         if self.content is None:
@@ -123,6 +164,14 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def choice_name(self) -> str | None:
+        """tool_choice as plan_tools takes it: None, "none", "auto", "required" or a function's name."""
+        c = self.tool_choice
+        return c.function.name if isinstance(c, NamedToolChoice) else c
 
 
 class CompletionRequest(_SamplingFields):
@@ -157,5 +206,31 @@ class DetokenizeRequest(Strict):
     tokens: list[Annotated[int, Field(ge=0, le=_I32)]]
 
 
+def template_arguments(text: str) -> Any:
+    """A call's arguments as templates render them (`arguments | tojson`): the object, or the text if not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+    """The messages as the chat template reads them (transformers' shape). Raises InvalidRequest for tool fields
+    on a role that cannot carry them."""
+    out = []
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+        if m.tool_calls is not None:
+            if m.role != "assistant":
+                raise InvalidRequest(f"messages.{i}.tool_calls: only assistant messages carry tool calls",
+                                     param=f"messages.{i}.tool_calls")
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
+                for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            if m.role != "tool":
+                raise InvalidRequest(f"messages.{i}.tool_call_id: only tool messages answer a tool call",
+                                     param=f"messages.{i}.tool_call_id")
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out

@@ -35,7 +35,8 @@ def read_key_file(path: str) -> tuple[tuple[tuple[str, str], ...], tuple[str, ..
 
 
 class TenantAuth:
-    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY` naming a known key; the
+    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`)
+    naming a known key; the
     tenant goes into request.state.tenant, and whether it is an admin key into request.state.admin (every
     client is admin on a server without keys). A missing or unknown key gets 401 in OpenAI's error shape."""
 
@@ -52,9 +53,11 @@ class TenantAuth:
         if self.tenants and scope["path"] not in OPEN_PATHS:
             headers = dict(scope.get("headers") or [])
             scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").strip().partition(" ")
-            if scheme.lower() != "bearer" or not key.strip():
+            if scheme.lower() != "bearer" or not key.strip():  # Anthropic's clients send x-api-key instead
+                scheme, key = "bearer", headers.get(b"x-api-key", b"").decode("latin-1")
+            if not key.strip():
                 await _unauthorized(send, "You didn't provide an API key. Send it in an Authorization header "
-                                          "using Bearer auth (Authorization: Bearer YOUR_KEY).")
+                                          "using Bearer auth (Authorization: Bearer YOUR_KEY) or in x-api-key.")
                 return
             found = self.tenants.get(key_digest(key.strip()))
             if found is None:

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvseal.errors import PermissionDenied
 from kvseal.router.requestlog import trace_of
 
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"})
 Figures = defaultdict[str, dict[str, int]]  # tenant -> {"in_flight", "completed", "failed"}
 
 

@@ -26,5 +26,6 @@ async def encode_text(tok: Tokenizer, text: str, add_special_tokens: bool) -> li
     return await asyncio.to_thread(encode, tok, text, add_special_tokens)
 
 
-async def render_chat(tok: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-    return await asyncio.to_thread(tok.apply_chat_template, messages, add_generation_prompt)
+async def render_chat(tok: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                      tools: list[dict[str, Any]] | None = None) -> str:
+    return await asyncio.to_thread(tok.apply_chat_template, messages, add_generation_prompt, tools)

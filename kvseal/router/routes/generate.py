@@ -24,6 +24,7 @@ from kvseal.router.protocol import ChatCompletionRequest, CompletionRequest, mes
 from kvseal.router.requestlog import trace_of
 from kvseal.router.routes.deps import backend_of, check_model, policy_of, tenant_of
 from kvseal.router.text import encode_text, render_chat
+from kvseal.router.tools.plan import Function, ToolPlan, plan_tools
 
 router = APIRouter()
 
@@ -38,11 +39,27 @@ async def encode(backend: Backend, text: str, param: str, add_special_tokens: bo
     return await encode_text(backend.tokenizer, text, add_special_tokens=add_special_tokens)
 
 
-async def chat_prompt(backend: Backend, body: ChatCompletionRequest) -> list[int]:
+def tool_plan(backend: Backend, body: ChatCompletionRequest) -> ToolPlan | None:
+    functions = None if body.tools is None else [
+        Function(t.function.name, t.function.description, t.function.parameters) for t in body.tools]
+    fmt = body.response_format
+    plan = plan_tools(backend.tokenizer.chat_template, functions, body.choice_name(), body.parallel_tool_calls,
+                      has_response_format=fmt is not None and fmt.type != "text")
+    if plan is not None and body.logprobs:
+        raise InvalidRequest("logprobs cannot be combined with tools (tool_choice other than none)",
+                             param="logprobs")
+    return plan
+
+
+async def chat_prompt(backend: Backend, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
+    messages = message_dicts(body.messages)
     try:
-        text = await render_chat(backend.tokenizer, message_dicts(body.messages), body.add_generation_prompt)
+        text = await render_chat(backend.tokenizer, messages, body.add_generation_prompt,
+                                 plan.template_tools if plan is not None else None)
     except ValueError as exc:
         raise InvalidRequest(f"messages: {exc}", param="messages") from exc
+    if plan is not None:
+        text += plan.prompt_suffix  # a forced call: the prompt opens it, the grammar writes it
     return await encode(backend, text, "messages", add_special_tokens=False)
 
 
@@ -84,9 +101,10 @@ async def counted(gen: Deltas, lease: Lease) -> Deltas:
 async def chat(body: ChatCompletionRequest, request: Request) -> Any:
     backend = backend_of(request)
     check_model(backend, body.model)
-    ids = await chat_prompt(backend, body)
+    plan = tool_plan(backend, body)
+    ids = await chat_prompt(backend, body, plan)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    return await run(request, body, ids, body.max_completion_tokens or body.max_tokens, top, chat=True)
+    return await run(request, body, ids, body.max_completion_tokens or body.max_tokens, top, chat=True, plan=plan)
 
 
 @router.post("/v1/completions")
@@ -97,9 +115,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     return await run(request, body, ids, body.max_tokens, body.logprobs, chat=False)
 
 
-async def run(request: Request, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
-              max_tokens: int | None, top_logprobs: int | None, chat: bool) -> Any:
-    backend = backend_of(request)
+def budget(backend: Backend, ids: list[int], max_tokens: int | None, param: str) -> int:
+    """max_tokens for a prompt (the rest of the window when absent); over the window, 400 before any worker sees
+    the request (seal 3)."""
     window = backend.context_window
     if not ids:
         raise InvalidRequest("the prompt is empty", param="prompt")
@@ -109,38 +127,52 @@ async def run(request: Request, body: ChatCompletionRequest | CompletionRequest,
         raise ContextLengthExceeded(
             f"This model's maximum context length is {window} tokens. However, you requested "
             f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
-            f"Please reduce the length of the prompt or completion.", param="messages" if chat else "prompt")
+            f"Please reduce the length of the prompt or completion.", param=param)
+    return max_tokens
+
+
+def fan_out(request: Request, rid: str, ids: list[int], params: SamplingParams, n: int,
+            cache_salt: str | None, priority: int = 0) -> Fanout:
+    """The n samples of one request (every API's), with the tenant's policy from the tenants file (never from the
+    body) and its token rate charged before any worker sees the request."""
+    backend, tenant, policy = backend_of(request), tenant_of(request), policy_of(request)
+    lease: Lease | None = getattr(request.state, "rate_lease", None)  # set by router/ratelimit.py
+    if lease is not None:  # tpm: before any worker sees the request
+        limiter: RateLimiter = request.app.state.limits
+        limiter.charge(lease, len(ids), n * params.max_tokens)
+
+    def start(i: int) -> Deltas:  # sample i of n: its own id and seed stream, the same prompt
+        sample = msgspec.structs.replace(params, seed=sample_seed(params.seed, i))
+        gen = backend.generate(GenerateRequest(
+            rid if i == 0 else f"{rid}-{i}", ids, sample, tenant=tenant, cache_salt=cache_salt,
+            weight=policy.weight, priority_class=policy.priority_class, kv_share=policy.kv_share, priority=priority))
+        return gen if lease is None else counted(gen, lease)
+
+    return Fanout(start, n)
+
+
+async def run(request: Request, body: ChatCompletionRequest | CompletionRequest, ids: list[int],
+              max_tokens: int | None, top_logprobs: int | None, chat: bool, plan: ToolPlan | None = None) -> Any:
+    backend = backend_of(request)
+    max_tokens = budget(backend, ids, max_tokens, "messages" if chat else "prompt")
     params = SamplingParams(
-        response_format=response_format_of(body),
+        response_format=plan.response_format if plan is not None else response_format_of(body),
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(body.top_k or 0, 0),
         seed=body.seed,
-        stop=body.stop_list(),
+        stop=body.stop_list() + (plan.stops if plan is not None else ()),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=top_logprobs,
         min_tokens=body.min_tokens,
     )
     rid = ("chatcmpl-" if chat else "cmpl-") + trace_of(request.scope).request_id
-    tenant, policy = tenant_of(request), policy_of(request)
-    lease: Lease | None = getattr(request.state, "rate_lease", None)  # set by router/ratelimit.py
-    if lease is not None:  # tpm: before any worker sees the request
-        limiter: RateLimiter = request.app.state.limits
-        limiter.charge(lease, len(ids), body.n * max_tokens)
-
-    def start(i: int) -> Deltas:  # sample i of n: its own id and seed stream, the same prompt
-        sample = msgspec.structs.replace(params, seed=sample_seed(params.seed, i))
-        gen = backend.generate(GenerateRequest(
-            rid if i == 0 else f"{rid}-{i}", ids, sample, tenant=tenant, cache_salt=body.cache_salt,
-            weight=policy.weight, priority_class=policy.priority_class, kv_share=policy.kv_share,
-            priority=body.priority))
-        return gen if lease is None else counted(gen, lease)
-
-    fan = Fanout(start, body.n)
+    fan = fan_out(request, rid, ids, params, body.n, body.cache_salt, body.priority)
     builder = ResponseBuilder(rid, backend.model_name, chat, body.return_token_ids)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond.stream(request, backend.tokenizer, fan, builder, include_usage, chat)
-    return await respond.whole(request, backend.tokenizer, fan, builder, chat)
+        fmt = respond.OpenAIStream(backend.tokenizer, builder, body.n, include_usage, chat, plan)
+        return await respond.stream(request, fan, fmt)
+    return await respond.whole(request, backend.tokenizer, fan, builder, chat, plan)
