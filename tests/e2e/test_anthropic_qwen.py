@@ -7,10 +7,8 @@ every error in Anthropic's shape."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -19,11 +17,11 @@ import jsonschema
 import pytest
 
 from tests.helpers.procs import Server
-from tests.helpers.real_models import real_model
+from tests.helpers.qwen_server import KEYS as QWEN_KEYS
 
 pytestmark = pytest.mark.e2e
 MODEL = "qwen2.5-coder-0.5b-instruct"
-KEYS = {"alice": "sk-alice-messages-0001", "bob": "sk-bob-messages-0002"}
+KEYS = {"alice": QWEN_KEYS["m-alice"], "bob": QWEN_KEYS["m-bob"]}  # this module's tenants on the shared server
 GREEDY = {"temperature": 0}  # this client no longer sends sampling fields by name: they go as extra_body
 WEATHER = {"name": "get_weather", "description": "Get the current weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"},
@@ -42,18 +40,10 @@ class Fleet:
     alice: anthropic.Anthropic
 
 
-@pytest.fixture(scope="module", params=["unified", "disaggregated"])
-def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    keys: Path = tmp_path_factory.mktemp("keys") / "api-keys"
-    keys.write_text("".join(f"{t} {k}\n" for t, k in KEYS.items()))
-    mode = ["--unified"] if request.param == "unified" else []
-    s = Server([*mode, real_model("qwen2.5-coder-0.5b"), "--max-model-len", "2048", "--kv-pool-tokens", "16384",
-                "--api-keys", str(keys)])
-    try:
-        s.ready()
-        yield Fleet(s, anthropic.Anthropic(base_url=s.url, api_key=KEYS["alice"], max_retries=0, timeout=600))
-    finally:
-        s.stop()
+@pytest.fixture(scope="module")
+def fleet(qwen_server: Server) -> Fleet:
+    return Fleet(qwen_server, anthropic.Anthropic(base_url=qwen_server.url, api_key=KEYS["alice"], max_retries=0,
+                                                   timeout=600))
 
 
 def create(c: anthropic.Anthropic, messages: list[Any], **kw: Any) -> Any:

@@ -7,9 +7,7 @@ are their tenant's alone (another tenant's id: 404), and unknown fields refused 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -17,11 +15,11 @@ import openai
 import pytest
 
 from tests.helpers.procs import Server
-from tests.helpers.real_models import real_model
+from tests.helpers.qwen_server import KEYS as QWEN_KEYS
 
 pytestmark = pytest.mark.e2e
 MODEL = "qwen2.5-coder-0.5b-instruct"
-KEYS = {"alice": "sk-alice-responses-0001", "bob": "sk-bob-responses-0002"}
+KEYS = {"alice": QWEN_KEYS["r-alice"], "bob": QWEN_KEYS["r-bob"]}  # this module's tenants on the shared server
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"},
                                                            "unit": {"type": "string",
@@ -37,19 +35,10 @@ class Fleet:
     bob: openai.OpenAI
 
 
-@pytest.fixture(scope="module", params=["unified", "disaggregated"])
-def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    keys: Path = tmp_path_factory.mktemp("keys") / "api-keys"
-    keys.write_text("".join(f"{t} {k}\n" for t, k in KEYS.items()))
-    mode = ["--unified"] if request.param == "unified" else []
-    s = Server([*mode, real_model("qwen2.5-coder-0.5b"), "--max-model-len", "2048", "--kv-pool-tokens", "16384",
-                "--api-keys", str(keys)])
-    try:
-        s.ready()
-        yield Fleet(*(openai.OpenAI(base_url=s.url + "/v1", api_key=KEYS[t], max_retries=0, timeout=600)
-                      for t in ("alice", "bob")))
-    finally:
-        s.stop()
+@pytest.fixture(scope="module")
+def fleet(qwen_server: Server) -> Fleet:
+    return Fleet(*(openai.OpenAI(base_url=qwen_server.url + "/v1", api_key=KEYS[t], max_retries=0, timeout=600)
+                   for t in ("alice", "bob")))
 
 
 def create(c: openai.OpenAI, **kw: Any) -> Any:

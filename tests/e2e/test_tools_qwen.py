@@ -7,7 +7,6 @@ gives a call."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,7 +15,7 @@ import openai
 import pytest
 
 from tests.helpers.procs import Server
-from tests.helpers.real_models import real_model
+from tests.helpers.qwen_server import KEYS
 
 pytestmark = pytest.mark.e2e
 MODEL = "qwen2.5-coder-0.5b-instruct"
@@ -44,15 +43,9 @@ PROMPTS = ["What's the weather in Oslo?", "Will it be hot in Cairo this week?", 
            "List two sorting algorithms.", "Why is the sky blue?"]
 
 
-@pytest.fixture(scope="module", params=["unified", "disaggregated"])
-def client(request: pytest.FixtureRequest) -> Iterator[openai.OpenAI]:
-    mode = ["--unified"] if request.param == "unified" else []
-    s = Server([*mode, real_model("qwen2.5-coder-0.5b"), "--max-model-len", "2048", "--kv-pool-tokens", "16384"])
-    try:
-        s.ready()
-        yield openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=600)
-    finally:
-        s.stop()
+@pytest.fixture(scope="module")
+def client(qwen_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=qwen_server.url + "/v1", api_key=KEYS["tools"], max_retries=0, timeout=600)
 
 
 def chat(client: openai.OpenAI, messages: list[Any], **kw: Any) -> Any:
