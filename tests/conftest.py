@@ -22,6 +22,15 @@ import pytest
 from kvseal.model.checkpoint import Checkpoint
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The container test's image builds in the background while the tests before it run."""
+    if any(item.nodeid.startswith("tests/integration/test_container.py") for item in session.items) and \
+            shutil.which("podman"):
+        from tests.helpers import image_build
+
+        image_build.start()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _remove_weights_caches() -> Iterator[None]:
     yield

@@ -1,5 +1,6 @@
-"""The kvseal image, for real (issue 21): `scripts/image.sh --if-stale` builds it (`make image`), or reuses the
-image already built from this tree, and a router, a prefill and a decode worker run from it as three containers
+"""The kvseal image, for real (issue 21): `scripts/image.sh --if-stale` builds it (`make image`; in the whole
+suite it starts in the background at collection, tests/helpers/image_build.py), or reuses the image already built
+from this tree, and a router, a prefill and a decode worker run from it as three containers
 on the host's network, on loopback addresses, with fleet keys mounted as a Kubernetes Secret would give them,
 wired as deploy/k8s wires them: the router starts with the two workers, which also join through its fleet port.
 
@@ -27,10 +28,10 @@ import pytest
 
 from kvseal import LLM, SamplingParams
 from kvseal.model.checkpoint import Checkpoint
+from tests.helpers import image_build
 from tests.helpers.procs import free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
-ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "localhost/kvseal:latest"
 MODEL = "SmolLM2-135M-Instruct"
 ARGS = ["--max-model-len", "2048", "--kv-pool-tokens", "4096", "--max-num-batched-tokens", "128"]
@@ -101,9 +102,8 @@ class Pod:
 @pytest.fixture(scope="module")
 def image() -> str:
     assert shutil.which("podman"), "podman is missing: the repo's setup installs it (scripts/podman_setup.sh)"
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "image.sh"), "--if-stale"], capture_output=True, text=True,
-                         timeout=1200, check=False, cwd=ROOT)
-    assert out.returncode == 0, f"make image failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+    code, output = image_build.wait()  # started at collection when the whole suite runs (tests/conftest.py)
+    assert code == 0, f"make image failed:\n{output[-5000:]}"
     return IMAGE
 
 
