@@ -147,3 +147,22 @@ def test_kv_share_caps_a_tenants_pages_but_never_stops_it(tiny: Checkpoint) -> N
     while one.has_work():
         one.step()
     assert served(one)["a"] == 12 + 40 - 1  # every prompt token, and every output token after the first
+
+
+@pytest.mark.parametrize(("weight", "kv_share"), [(0.0, 1.0), (-1.0, 1.0), (float("nan"), 1.0), (float("inf"), 1.0),
+                                                  (1.0, 0.0), (1.0, 2.0), (1.0, float("nan"))])
+def test_a_peers_out_of_range_weight_or_kv_share_is_refused_and_harms_nothing(tiny: Checkpoint, weight: float,
+                                                                              kv_share: float) -> None:
+    """Weight and kv_share reach a worker in the router's frame: the engine checks them like any field of a peer's
+    message (a NaN weight would poison the tenant's counter and every later admission order)."""
+    e = engine(tiny)
+    free = e.allocator.num_free
+    e.add_request(req("bad", "mallory", weight=weight, kv_share=kv_share))
+    (final,) = [d for d in e.step() if d.request_id == "bad"] or [None]
+    assert final is not None and final.error is not None and final.error.status == 400, final
+    assert "out of range" in final.error.message
+    assert e.allocator.num_free == free and "mallory" not in e.info()["tenants"]  # type: ignore[operator]
+    e.add_request(req("good", "alice"))
+    while e.has_work():
+        e.step()
+    assert e.allocator.num_free == free
