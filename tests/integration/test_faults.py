@@ -20,6 +20,9 @@ from tests.helpers.transports import KV_TRANSPORTS
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 MODEL = "SmolLM2-135M-Instruct"
 ARGS = ["--max-model-len", "1024", "--kv-pool-tokens", "2048"]
+# decode's reservation timeout: the stalled transfer outlasts it; long enough for every other test's reservations
+# (at most ~5 of ~300 tokens wait on prefill at once in the pool-exhaustion test: seconds)
+RESERVATION_TIMEOUT = "15"
 
 
 class Fleet(LoopbackFleet):
@@ -27,14 +30,15 @@ class Fleet(LoopbackFleet):
 
     def __init__(self, kv_transport: str = "zmq") -> None:
         self.args = [*ARGS, "--kv-transport", kv_transport]
-        super().__init__(self.args, prefill=["--transfer-timeout", "10"], decode=["--reservation-timeout", "30"],
+        super().__init__(self.args, prefill=["--transfer-timeout", "10"],
+                         decode=["--reservation-timeout", RESERVATION_TIMEOUT],
                          faults=True)
 
     def restart(self, role: str) -> None:
         old = self.prefill if role == "prefill" else self.decode
         old.stop(signal.SIGKILL)
         args = [*self.args, "--port", str(old.port), *self.faults.args()] + (
-            ["--transfer-timeout", "10"] if role == "prefill" else ["--reservation-timeout", "30"])
+            ["--transfer-timeout", "10"] if role == "prefill" else ["--reservation-timeout", RESERVATION_TIMEOUT])
         new = Worker(role, args)
         new.port, new.endpoint = old.port, old.endpoint
         new.ready()
@@ -111,7 +115,7 @@ def test_prefill_killed_mid_prefill_then_rejoins(fleet: Fleet) -> None:
 def test_stalled_transfer_times_out_cleanly(kv_transport: str, request: pytest.FixtureRequest) -> None:
     fleet: Fleet = request.getfixturevalue("fleet" if kv_transport == "zmq" else "nixl_fleet")
     assert fleet.decode.info()["kv_transport"] == kv_transport
-    fleet.faults.set("stall_transfer=35", fleet.prefill)  # longer than decode's 30 s reservation timeout
+    fleet.faults.set("stall_transfer=20", fleet.prefill)  # longer than decode's reservation timeout
     try:
         r = fleet.complete()
     finally:

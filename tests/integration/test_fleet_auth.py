@@ -104,6 +104,24 @@ def test_strangers_get_nothing_from_the_control_and_kv_ports(fleet: Fleet) -> No
     assert _complete(fleet) == "length"  # the fleet serves as before
 
 
+def test_a_worker_alone_reads_nothing_a_stranger_sends_to_its_control_port(tmp_path: Path) -> None:
+    """One worker with keys, no router (seconds, not a fleet: seal 9+4's mutation proof runs this)."""
+    keys = str(tmp_path / "fleet")
+    write_key_set(keys, ["router", "decode"])
+    w = Worker("decode", [*ARGS, "--fleet-keys", keys])
+    w.client_keys, w.server_key = load_member(keys, "router"), public_key(keys, "decode")
+    try:
+        w.ready()
+        endpoint = f"tcp://{w.endpoint}"
+        assert _stranger(endpoint, None, None) == (False, False)  # no key: no handshake, nothing read
+        assert _stranger(endpoint, fresh_member(), public_key(keys, "decode")) == (False, True)  # off the list
+        info = w.info()  # the router's member is answered
+        assert info["fleet_auth"] == "curve" and info["auth_refused"] == 1
+        assert info["frames_refused"] == 0 and info["requests_received"] == 0
+    finally:
+        w.stop()
+
+
 def test_a_router_with_a_wrong_key_for_a_worker_never_talks_to_it(fleet: Fleet) -> None:
     before = fleet.prefill.info()
     tokenizer, _ = load_tokenizer(None)
