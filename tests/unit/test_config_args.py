@@ -11,7 +11,14 @@ import pytest
 
 from kvseal.cli import build_parser
 from kvseal.config import EngineConfig, LedgerConfig, ServerConfig
-from kvseal.config_args import ENGINE_PARTS, LLM_PARTS, dest, engine_config, engine_config_from_options, flag_fields
+from kvseal.config_args import (
+    ENGINE_PARTS,
+    LLM_PARTS,
+    dest,
+    engine_config,
+    engine_config_from_options,
+    flag_fields,
+)
 
 # a value other than the default for every field kvseal.LLM takes, as a flag would give it
 NOT_DEFAULT = {
