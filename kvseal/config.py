@@ -1,14 +1,24 @@
 """Frozen configuration, one dataclass per concern, validated on construction.
 
-Every error names the field, the value and the fix. Nothing mutates a config after it is built.
+Every error names the field, the value and the fix. Nothing mutates a config after it is built. A field that is a
+command-line flag says so in its metadata (`opt`): its help text, and its flag name where that is not the field's
+own; kvseal/config_args.py builds the flags from them, and `kvseal.LLM(**options)` takes the same fields by name.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+def opt(default: Any, help: str, flag: str | None = None, **argparse: Any) -> Any:
+    """A config field that is a command-line flag: `help` is its --help text, `flag` its name (default
+    --field-name; "model" for a positional), `argparse` anything else add_argument takes (choices, metavar, action).
+    """
+    return field(default=default, metadata={"cli": {"help": help, "flag": flag, **argparse}})
 
 
 def _need(cond: bool, field: str, value: object, fix: str) -> None:
@@ -18,13 +28,26 @@ def _need(cond: bool, field: str, value: object, fix: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "float32"
-    device: str = "auto"  # "auto" -> cuda when present, else cpu
-    max_model_len: int | None = None  # cap on the served context window
-    served_name: str | None = None  # the id in /v1/models; default: the checkpoint's name
-    kernels: str = "auto"  # "torch" | "native" (kvseal/kernels) | "auto": native where it can run
-    arithmetic: str = "auto"  # "exact" | "fast" | "auto": fast where it can run (kvseal/kernels/arithmetic.py)
+    path: str | None = opt(None, "a .gguf file or a Hugging Face folder (Llama/Qwen2); default: the bundled "
+                                 "SmolLM2-135M-Instruct", flag="model")
+    dtype: str = opt("float32", "the model's compute dtype for the exact arithmetic with --kernels torch (bfloat16 "
+                     "is several times faster on AMX CPUs); the native kernels compute in float32", choices=_DTYPES)
+    device: str = opt("auto", "auto (cuda when present, else cpu), cpu or cuda[:N]")
+    max_model_len: int | None = opt(None, "cap the served context window (tokens); the window is min(model, this, "
+                                    "pool)")
+    served_name: str | None = opt(None, "the model id in the API (default: the checkpoint's name)",
+                                  flag="--served-model-name")
+    kernels: str = opt("auto", "native: kvseal's C kernels (GGUF blocks used as stored, paged decode attention; "
+                       "CPU, AVX2); torch: torch ops on dequantized weights (matches transformers bit for bit in "
+                       "float32); auto: native where it can run, else torch", choices=("auto", "torch", "native"))
+    arithmetic: str = opt(
+        "auto", "how the native kernels compute, chosen at start-up and named in /info, the start-up log and the "
+        "fleet check. fast: int8 activations times the GGUF blocks with integer dot products on the best of "
+        "AVX-512-VNNI, AVX-VNNI or AVX2 this CPU has (the same bits on each; float checkpoints become Q8_0 blocks "
+        "at load), attention reading KV in place; batch invariant, about 0.5%% from float32 per product "
+        "(agreement: python -m benchmarks.agreement). exact: float32 throughout, transformers' greedy tokens. auto "
+        "(default): fast where it can run (native kernels, page size a multiple of 16), else exact "
+        "(kvseal/kernels/arithmetic.py)", choices=("auto", "exact", "fast"))
 
     def __post_init__(self) -> None:
         _need(self.dtype in _DTYPES, "dtype", self.dtype, f"use one of {', '.join(_DTYPES)}")
@@ -38,14 +61,20 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    page_size: int = 16  # tokens per page
-    pool_tokens: int | None = None  # KV pool size in tokens (rounded down to whole pages)
+    page_size: int = opt(16, "tokens per KV page")
+    pool_tokens: int | None = opt(None, "KV pool size in tokens, rounded down to whole pages (default: twice the "
+                                  "context window)", flag="--kv-pool-tokens")
     # or in bytes; at most one of the two; neither -> twice the model's window (min(model, max_model_len)), the
     # default Engine passes to kv/pool.pool_num_pages
-    pool_bytes: int | None = None
-    scrub: bool = True  # zero pages before they return to the free list (seal 6)
-    kv_dtype: str = "auto"  # "auto": bfloat16 with the fast arithmetic, else the model's dtype (resolve_kv_dtype)
-    prefix_cache: bool = True  # keep full prompt pages for later requests of the same tenant (seal 9)
+    pool_bytes: int | None = opt(None, "KV pool size in bytes (instead of tokens)", flag="--kv-pool-bytes")
+    scrub: bool = opt(True, "zero KV pages before they return to the free list (seal 6; default on)",
+                      flag="--kv-scrub")
+    kv_dtype: str = opt("auto", "KV cache dtype; auto: bfloat16 with the fast arithmetic (half the KV memory, "
+                        "decode reads and handoff bytes), else the model's dtype. bfloat16 needs --arithmetic fast "
+                        "or --kernels torch", choices=("auto", "float32", "bfloat16"))
+    prefix_cache: bool = opt(True, "keep no prefix cache (by default full prompt pages are kept and shared "
+                             "read-only with later requests of the same tenant and cache_salt; seal 9)",
+                             flag="--no-prefix-cache", action="store_false", dest="prefix_cache")
 
     def __post_init__(self) -> None:
         _need(0 < self.page_size <= 1024 and self.page_size & (self.page_size - 1) == 0, "page_size",
@@ -62,11 +91,17 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64  # sequences in one batch
-    max_num_batched_tokens: int = 512  # per-step token budget; long prompts are prefilled in chunks
-    max_waiting: int = 1024  # requests waiting for pages beyond this get 503 at once
-    wait_timeout_s: float = 60.0  # 503 for a request waiting for pages when none was freed for this long
-    fairness: str = "vtc"  # who is admitted next among tenants: "vtc" (engine/fairness.py) or "off" (arrival order)
+    max_num_seqs: int = opt(64, "most sequences in one batch")
+    max_num_batched_tokens: int = opt(512, "per-step token budget; longer prompts are prefilled in chunks of this "
+                                      "size")
+    max_waiting: int = opt(1024, "requests that may wait for KV pages; beyond this, 503 with Retry-After")
+    wait_timeout_s: float = opt(60.0, "a request waiting for KV pages gets 503 when no page at all was freed for "
+                                "this many seconds (a busy worker that frees pages is waited out)",
+                                flag="--wait-timeout")
+    fairness: str = opt("vtc", "who each engine admits next when tenants compete: vtc (default; the tenant served "
+                        "least, in tokens weighted by its weight from --api-keys, as the Virtual Token Counter; a "
+                        "tenant alone gets everything; engine/fairness.py) or off (arrival order)",
+                        choices=("vtc", "off"))
 
     def __post_init__(self) -> None:
         _need(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "give a positive number")
@@ -105,9 +140,9 @@ class TenantPolicy:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(8000, "port to listen on")
+    max_body_bytes: int = opt(8 * 1024 * 1024, "larger request bodies get 413")
     # (SHA-256 of a key, its tenant) from --api-keys; empty: no auth, one tenant. Digests only, never keys.
     api_keys: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)  # digests of the api keys marked `admin`
@@ -126,7 +161,10 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class LedgerConfig:
-    path: str | None = None  # the forensic ledger's SQLite file (kvseal/ledger); None: no ledger
+    path: str | None = opt(None, "the forensic ledger: an SQLite file with one row per ended request (ids, tenant, "
+                           "times, workers, every page read and whose KV it held; never prompt or output text), "
+                           "read by `kvseal incidents PATH`. kvseal serve: on by default (the path is shown); a "
+                           "role run alone: off unless given", flag="--ledger", metavar="PATH|off")
 
     def __post_init__(self) -> None:
         _need(self.path is None or (bool(self.path.strip()) and not os.path.isdir(self.path)), "ledger",
@@ -137,11 +175,15 @@ class LedgerConfig:
 class GrammarConfig:
     """response_format grammars (engine/structured.py): compiled off the engine's loop, in child processes."""
 
-    # compiler processes, started on the first constrained request and idle unless compiling; 0: auto, one per two
-    # cores, at most 2 (a compile takes a core; the engine's steps, at a higher priority, come first)
-    grammar_compilers: int = 0
-    grammar_timeout_s: float = 30.0  # a compile past this kills its process; the request gets 400 response_format
-    grammar_max_bytes: int = 64 * 1024  # a larger schema gets 400 response_format before anything compiles
+    # a compile takes a core; the engine's steps, at a higher priority, come first
+    grammar_compilers: int = opt(0, "processes that compile response_format grammars, off the engine's loop "
+                                 "(started on the first constrained request, idle unless compiling, at a lower CPU "
+                                 "priority than the engine); 0: one per two cores, at most 2", metavar="N")
+    grammar_timeout_s: float = opt(30.0, "seconds a response_format grammar may take to compile; past it its "
+                                   "process is killed and replaced, and the request gets 400 (param "
+                                   "response_format)", flag="--grammar-timeout")
+    grammar_max_bytes: int = opt(64 * 1024, "a response_format schema larger than this is refused with 400 before "
+                                 "anything compiles")
 
     def __post_init__(self) -> None:
         _need(0 <= self.grammar_compilers <= 64, "grammar_compilers", self.grammar_compilers,
@@ -160,6 +202,6 @@ class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
-    seed: int = 0
+    seed: int = opt(0, "seed for requests that sample without their own seed")
     ledger: LedgerConfig = LedgerConfig()
     grammar: GrammarConfig = GrammarConfig()

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Self
 import msgspec
 
 from kvseal.auth.keys import MemberKeys, fresh_member
+from kvseal.worker import protocol as P
 
 if TYPE_CHECKING:
     from kvseal.worker.run import WorkerSpec
 
 # each worker started here gets this process's pid in its environment and stops when this process is gone
-LAUNCHER_PID_ENV = "KVSEAL_LAUNCHER_PID"
 
 
 def _free_port() -> int:
@@ -62,7 +62,7 @@ class Fleet:
                     assert mine.keys is not None
                     self.server_keys[eps[-1]] = mine.keys.public
                 proc = subprocess.Popen([sys.executable, "-m", "kvseal.worker.run"], stdin=subprocess.PIPE,
-                                        env={**os.environ, LAUNCHER_PID_ENV: str(os.getpid())})
+                                        env={**os.environ, P.LAUNCHER_PID_ENV: str(os.getpid())})
                 self.procs.append(proc)
                 assert proc.stdin is not None
                 proc.stdin.write(msgspec.json.encode(mine))

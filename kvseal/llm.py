@@ -15,13 +15,12 @@ samples share the prompt's pages; each sample has its own seed stream (engine/sa
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from kvseal.config import CacheConfig, EngineConfig, GrammarConfig, ModelConfig, SchedulerConfig
+from kvseal.config_args import engine_config_from_options
 from kvseal.engine import messages as M
 from kvseal.engine.engine import Engine
 from kvseal.engine.sampling import sample_seed
@@ -91,29 +90,12 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (over all samples)
 
 
-def engine_config(model: str | None, options: dict[str, Any]) -> EngineConfig:
-    """EngineConfig from keyword options named like the config fields; an unknown name is a TypeError."""
-    parts: dict[str, dict[str, Any]] = {"model": {"path": model}, "cache": {}, "scheduler": {}, "grammar": {}}
-    seed = options.pop("seed", 0)
-    for name, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                      ("grammar", GrammarConfig)):
-        for f in dataclasses.fields(cls):
-            if f.name in options:
-                parts[name][f.name] = options.pop(f.name)
-    if options:
-        raise TypeError(f"LLM() got unknown engine options {sorted(options)}; give fields of kvseal.config's "
-                        f"ModelConfig, CacheConfig, SchedulerConfig or GrammarConfig, or seed")
-    return EngineConfig(model=ModelConfig(**parts["model"]), cache=CacheConfig(**parts["cache"]),
-                        scheduler=SchedulerConfig(**parts["scheduler"]), seed=seed,
-                        grammar=GrammarConfig(**parts["grammar"]))
-
-
 class LLM:
     def __init__(self, model: str | None = None, *, checkpoint: Checkpoint | None = None,
                  **engine_options: Any) -> None:
         """model: a .gguf file or a Hugging Face folder (None: the bundled model); checkpoint: one already
         loaded (tests share it); engine_options: see the module doc."""
-        self.engine = Engine(engine_config(model, dict(engine_options)), checkpoint)
+        self.engine = Engine(engine_config_from_options(model, engine_options), checkpoint)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

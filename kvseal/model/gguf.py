@@ -28,10 +28,9 @@ from kvseal.kernels.ops import BLOCKS
 from kvseal.model.checkpoint import Checkpoint, ModelArch
 from kvseal.model.file_index import file_digests
 from kvseal.model.gguf_file import GGUFFile, TensorInfo
-from kvseal.model.gguf_tokenizer import gguf_field
+from kvseal.model.gguf_tokenizer import gguf_field, tokenizer_from_gguf_reader
 from kvseal.model.layout import check_weights
 from kvseal.model.quant import QuantTensor
-from kvseal.model.tokenizer import Tokenizer
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 GEMMA3_LOCAL_ROPE_THETA = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3 (not in the file)
@@ -286,7 +285,7 @@ def checkpoint_from_gguf(f: GGUFFile, progress: bool = True) -> Checkpoint:
     return Checkpoint(
         arch=arch,
         weights=weights,
-        tokenizer=Tokenizer.from_gguf_fields(f),
+        tokenizer=tokenizer_from_gguf_reader(f),
         name=checkpoint_name(file, f),
         source=str(file),
         fingerprint=digests.fingerprint(f, repr(arch)),

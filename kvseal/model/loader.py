@@ -10,6 +10,7 @@ from pathlib import Path
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.gguf import checkpoint_name, load_gguf
 from kvseal.model.gguf_file import GGUFFile
+from kvseal.model.gguf_tokenizer import tokenizer_from_gguf_reader
 from kvseal.model.safetensors import load_hf_folder
 from kvseal.model.tokenizer import Tokenizer
 
@@ -89,7 +90,7 @@ def load_checkpoint(path: str | None, progress: bool = True) -> Checkpoint:
 def load_tokenizer(path: str | None) -> tuple[Tokenizer, str]:
     """Only the tokenizer (and the display name) of a checkpoint: what a router needs, without weights."""
     if path is None:
-        return Tokenizer.from_gguf_fields(GGUFFile(default_model_path())), DEFAULT_MODEL_NAME
+        return tokenizer_from_gguf_reader(GGUFFile(default_model_path())), DEFAULT_MODEL_NAME
     p = Path(path)
     if p.is_dir() and (p / "config.json").is_file():
         return Tokenizer.from_hf_folder(str(p)), p.name
@@ -99,4 +100,4 @@ def load_tokenizer(path: str | None) -> tuple[Tokenizer, str]:
             raise ValueError(f"folder {path!r} must hold config.json or exactly one .gguf file")
         p = ggufs[0]
     reader = GGUFFile(p)
-    return Tokenizer.from_gguf_fields(reader), checkpoint_name(p, reader)
+    return tokenizer_from_gguf_reader(reader), checkpoint_name(p, reader)

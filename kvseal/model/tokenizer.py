@@ -20,7 +20,6 @@ from kvseal.model.detokenize import IncrementalDecoder
 if TYPE_CHECKING:
     import jinja2
 
-    from kvseal.model.gguf_file import GGUFFile
 
 __all__ = ["IncrementalDecoder", "Tokenizer"]
 
@@ -106,12 +105,6 @@ class Tokenizer:
                         self.eos_token)
         tok._compiled = compiled
         return tok
-
-    @classmethod
-    def from_gguf_fields(cls, reader: GGUFFile) -> Tokenizer:
-        from kvseal.model.gguf_tokenizer import tokenizer_from_gguf_reader
-
-        return tokenizer_from_gguf_reader(reader)
 
     @classmethod
     def from_hf_folder(cls, path: str | Path) -> Tokenizer:

@@ -10,7 +10,6 @@ this worker's key is on its allow-list, and the router then connects to this wor
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -19,10 +18,8 @@ from kvseal.auth.curve import as_client
 from kvseal.auth.keys import MemberKeys
 from kvseal.worker import protocol as P
 
-if TYPE_CHECKING:
-    from kvseal.worker.server import WorkerServer
-
 log = logging.getLogger("kvseal.worker")
+EXIT_REFUSED = 3  # the process's exit status when the router refuses this worker
 
 
 class Registration:
@@ -45,16 +42,13 @@ class Registration:
             poller.register(self.monitor, zmq.POLLIN)
         log.info("asked the router at %s to admit this %s worker (%s)", self.router, self.role, self.endpoint)
 
-    def on_readable(self, sock: zmq.Socket[bytes], server: WorkerServer) -> bool:
-        """Read the router's verdict; True when this worker must stop (refused)."""
-        from kvseal.worker.server import EXIT_REFUSED
-
+    def on_readable(self, sock: zmq.Socket[bytes]) -> bool:
+        """Read the router's verdict; True when this worker was refused: it stops and exits with EXIT_REFUSED."""
         if self.monitor is not None and sock is self.monitor:
             self.monitor.recv_multipart()
             log.error("the router at %s refused this worker's fleet key at the handshake: it is not on the router's "
                       "allow-list (copy this member's public key into the router's --fleet-keys DIR/public)",
                       self.router)
-            server.exit_code = EXIT_REFUSED
             return True
         if sock is not self.sock:
             return False
@@ -72,7 +66,6 @@ class Registration:
                      msg.context_window)
             return False
         log.error("the router at %s refused this worker: %s", self.router, msg.reason)
-        server.exit_code = EXIT_REFUSED
         return True
 
     def close(self) -> None:

@@ -14,6 +14,10 @@ from kvseal.engine.messages import SCHEMA_VERSION, GenerateDelta, GenerateReques
 from kvseal.errors import ErrorInfo
 from kvseal.transfer.manifest import Reservation
 
+# the environment variable `kvseal serve` (kvseal/launch.py) sets on the workers it starts: its own pid. A worker
+# whose launcher is gone exits (worker/server.py), so a killed `kvseal serve` leaves no worker behind
+LAUNCHER_PID_ENV = "KVSEAL_LAUNCHER_PID"
+
 
 class _Msg(msgspec.Struct, frozen=True, tag_field="kind", kw_only=True):
     v: int = SCHEMA_VERSION

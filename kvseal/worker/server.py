@@ -28,16 +28,14 @@ from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import InternalError, InvalidRequest, KvsealError, WorkerDraining
 from kvseal.hooks import Hooks
 from kvseal.identity import new_instance_id, tokenizer_digest
-from kvseal.launch import LAUNCHER_PID_ENV
 from kvseal.metrics.engine import EngineCollector, WorkerMetrics
 from kvseal.worker import protocol as P
-from kvseal.worker.join import Registration
+from kvseal.worker.join import EXIT_REFUSED, Registration
 from kvseal.worker.outbox import Outbox
 
 log = logging.getLogger("kvseal.worker")
 
 # exit status of a worker whose --router refused it (the reason is in its log and in the router's /info)
-EXIT_REFUSED = 3
 
 
 class WorkerServer:
@@ -72,7 +70,7 @@ class WorkerServer:
         self.join: Registration | None = None  # set when started with --router
         # set by `kvseal serve` (launch.Fleet) for the workers it starts: never outlive that process, even one
         # that died while this worker was still loading its model. A worker started on its own has no parent.
-        launcher = os.environ.get(LAUNCHER_PID_ENV)
+        launcher = os.environ.get(P.LAUNCHER_PID_ENV)
         self._parent = int(launcher) if launcher else None
         self.counters: dict[str, int] = {"kv_bytes_sent": 0, "kv_bytes_received": 0, "transfers_acked": 0,
                                          "transfers_refused": 0, "requests_received": 0, "frames_refused": 0}
@@ -139,8 +137,8 @@ class WorkerServer:
             for sock, _ in self.poller.poll(0 if busy else 20):
                 if sock is self.ctrl:
                     self._drain_ctrl()
-                elif self.join is not None:
-                    self._stop = self.join.on_readable(sock, self)
+                elif self.join is not None and self.join.on_readable(sock):  # refused: stop, say so on exit
+                    self._stop, self.exit_code = True, EXIT_REFUSED
             try:
                 self.pump()
             except Exception:  # a fault in moving KV must not end the process

@@ -18,13 +18,14 @@ import gguf
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.gguf import load_gguf
 from kvseal.model.gguf_file import GGUFFile
+from kvseal.model.gguf_tokenizer import tokenizer_from_gguf_reader
 from kvseal.model.loader import DEFAULT_MODEL_NAME, default_model_path
 from kvseal.model.tokenizer import Tokenizer
 
 
 @functools.lru_cache(maxsize=1)
 def bundled_tokenizer() -> Tokenizer:
-    return Tokenizer.from_gguf_fields(GGUFFile(default_model_path()))
+    return tokenizer_from_gguf_reader(GGUFFile(default_model_path()))
 
 
 @functools.lru_cache(maxsize=1)

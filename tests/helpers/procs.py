@@ -13,7 +13,7 @@ from typing import IO
 
 import httpx
 
-from kvseal.launch import LAUNCHER_PID_ENV
+from kvseal.worker.protocol import LAUNCHER_PID_ENV
 
 # How long a started process may take to be ready. scripts/prove_seals.py shortens it: a mutation that keeps a
 # fleet from ever forming (a worker that stops speaking CURVE) is caught at this timeout, not 3 minutes later.

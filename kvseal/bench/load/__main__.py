@@ -107,10 +107,15 @@ def run_bench(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvseal.bench.load ARGS` is `kvseal bench ARGS`."""
-    from kvseal.cli import main as cli_main
+    """`python -m kvseal.bench.load ARGS` is `kvseal bench ARGS` (the same flags, add_bench_args)."""
+    from kvseal.bench.load.config import add_bench_args
 
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+    p = argparse.ArgumentParser(prog="python -m kvseal.bench.load", description="kvseal bench: load generator and "
+                                "latency/throughput report for any OpenAI-compatible server",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_bench_args(p)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_bench(p.parse_args(argv))
 
 
 if __name__ == "__main__":
