@@ -4,13 +4,20 @@
 ids of `AutoTokenizer.from_pretrained(dir, gguf_file=...)`:
   * vocab: the tokens as stored; Gemma's tokens made only of spaces are respelled with "▁" (its merges use those);
   * merges: the file's, or (SentencePiece files carry none) rebuilt from the vocabulary: every split of a token
-    into two tokens, best first by score (Gemma: by the token's position in the file, which is its merge order);
+    into two tokens, best first by score (Gemma: by the token's position in the file, which is its merge order).
+    Rebuilding takes seconds for a large vocabulary (Gemma 3: 262,144 tokens, 514,906 merges, ~4 s), so the result
+    is kept in the weights cache folder under a digest of what it is computed from (tokens, scores), written once
+    (temp + rename), and rebuilt whenever the file is missing, unreadable or names another digest;
   * Gemma: spaces become "▁" in a normalizer, text is split after each space, no prefix space;
     others (LlamaTokenizer): Metaspace with a "▁" prepended to the first word, stripped again on decode;
   * control tokens (type 3) and bos/eos/unk/pad are special added tokens, user-defined ones (type 4) plain ones.
 """
 
 from __future__ import annotations
+
+import hashlib
+import logging
+from array import array
 
 import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
@@ -33,6 +40,54 @@ def rebuild_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tupl
     return [(a, b) for a, b, _ in merges]
 
 
+def cached_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """rebuild_merges, kept in `<weights cache>/tokenizer/merges-<digest>.txt` (the digest of the tokens, their ids
+    and scores in order: the whole input of rebuild_merges). The file: "DIGEST PAIRS LENGTH", a newline, a separator
+    character that no merge part holds, a newline, then every merge's two parts joined by that separator (LENGTH
+    characters: a file cut short is rebuilt, never read as fewer merges)."""
+    from kvseal.model.file_index import file_lock, weights_cache_dir, write_atomic
+
+    tokens = list(scores)
+    h = hashlib.sha256(b"kvseal-spm-merges-v1")
+    h.update(array("I", map(len, tokens)).tobytes())  # the lengths first: no two vocabularies hash alike
+    h.update("".join(tokens).encode("utf-8", "surrogatepass"))
+    h.update(array("q", [vocab[t] for t in tokens]).tobytes())
+    h.update(array("d", scores.values()).tobytes())
+    h.update(str(len(vocab)).encode())
+    digest = h.hexdigest()
+    folder = weights_cache_dir() / "tokenizer"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"merges-{digest[:32]}.txt"
+    with file_lock(folder / f"merges-{digest[:32]}.lock"):  # workers that start together build it once
+        try:
+            head, sep, _, body = _split_header(path.read_text(encoding="utf-8", errors="surrogatepass"))
+            parts = body.split(sep) if body else []
+            if head == f"{digest} {len(parts) // 2} {len(body)}" and len(parts) % 2 == 0:
+                return list(zip(parts[0::2], parts[1::2]))
+        except (OSError, ValueError):
+            pass  # missing, damaged or another digest's: rebuilt below
+        merges = rebuild_merges(vocab, scores)
+        parts = [x for pair in merges for x in pair]
+        everything = "".join(parts)
+        sep = next((c for c in map(chr, range(0xE000, 0xF900)) if c not in everything), None)
+        if sep is None:  # every private-use character is in the vocabulary: nothing to separate with
+            return merges
+        try:
+            body = sep.join(parts)
+            write_atomic(path, f"{digest} {len(merges)} {len(body)}\n{sep}\n{body}".encode("utf-8", "surrogatepass"))
+        except OSError as exc:  # a read-only cache: rebuilt at every start, still right
+            logging.getLogger("kvseal.model").warning("could not keep the tokenizer's merges in %s: %s", path, exc)
+        return merges
+
+
+def _split_header(text: str) -> tuple[str, str, str, str]:
+    head, nl, rest = text.partition("\n")
+    sep, nl2, body = rest[:1], rest[1:2], rest[2:]
+    if not nl or nl2 != "\n" or not sep:
+        raise ValueError("not a merges cache file")
+    return head, sep, nl2, body
+
+
 def spm_backend(arch: str, tokens: list[str], scores: list[float], token_types: list[int],
                 merges: list[str] | None, specials: list[int]) -> tokenizers.Tokenizer:
     """The `tokenizers` backend; specials: the ids of bos/eos/unk/pad the file names (added as special)."""
@@ -51,7 +106,7 @@ def spm_backend(arch: str, tokens: list[str], scores: list[float], token_types: 
             raise ValueError(f"GGUF tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens; a "
                              "SentencePiece vocabulary without merges needs one score per token")
         by: dict[str, float] = {t: -i for i, t in enumerate(tokens)} if gemma else dict(zip(tokens, scores))
-        merge_pairs = rebuild_merges(vocab, by)
+        merge_pairs = cached_merges(vocab, by)
     unk = "<unk>" if "<unk>" in vocab else None
     backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=True, unk_token=unk,
                                               dropout=None, byte_fallback=True))
