@@ -144,7 +144,8 @@ async def measure(a: argparse.Namespace, mode: str, server: ServerProc) -> dict[
         before = await asyncio.to_thread(served, server.url)
         a_task = asyncio.ensure_future(flood(ca, server.model, prompts, a.flood_tokens))
         under = await every_second(cb, server.model, a.b_seconds, a.b_tokens)
-        during = await asyncio.to_thread(served, server.url)  # B's window is over; A is still busy unless it finished first
+        # B's window is over; A is still busy unless it finished first
+        during = await asyncio.to_thread(served, server.url)
         a_done = a_task.done()
         a_figs = await a_task
     share_a = during.get("a", 0.0) - before.get("a", 0.0)

@@ -16,8 +16,8 @@ TTFT and inter-token latency are real.
 
 API: GET /health, GET /v1/models, POST /v1/completions with prompt as a string or a list of token ids,
 max_tokens, min_tokens, temperature (0 = greedy), top_p, seed, ignore_eos, stream and
-stream_options.include_usage. Each choice (and stream chunk) also carries the generated "token_ids". Not supported (400): n > 1, logprobs, echo, stop, best_of, suffix, lists of
-prompts. The "model" field is not checked.
+stream_options.include_usage. Each choice (and stream chunk) also carries the generated "token_ids". Not
+supported (400): n > 1, logprobs, echo, stop, best_of, suffix, lists of prompts. The "model" field is not checked.
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ def check_blocks(tensors: dict[str, Any]) -> list[dict[str, Any]]:
         exact = x.double() @ ref.double().T
         rel = [float((y.double() - exact).norm() / exact.norm()) for y in
                (ops.packed_linear(x, w), ops.qlinear(x, QWeight.pack(w)))]
-        out.append({"type": TYPE_NAMES[qtype], "tensor": name, "dequant_bit_exact": bool(torch.equal(w.dequantize(), ref)),
+        out.append({"type": TYPE_NAMES[qtype], "tensor": name,
+                    "dequant_bit_exact": bool(torch.equal(w.dequantize(), ref)),
                     "exact_rel_err": rel[0], "fast_rel_err": rel[1]})
     return out
 

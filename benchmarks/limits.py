@@ -67,7 +67,8 @@ def instruction_peaks() -> None:
             t = time.thread_time()
             n = lib().kvs_peak_issue(kind, 5_000_000)
             best = max(best, n / (time.thread_time() - t))
-        print(f"one core, 512-bit {name}: {best / 1e9:.2f} G instructions/s = {best * macs / 1e9:.0f} G multiply-adds/s")
+        print(f"one core, 512-bit {name}: {best / 1e9:.2f} G instructions/s = "
+              f"{best * macs / 1e9:.0f} G multiply-adds/s")
 
 
 def model_products(rows: tuple[int, ...] = (1, 8, 32, 128, 512)) -> None:

@@ -115,7 +115,8 @@ def summary(a: argparse.Namespace, runs: tuple[list[tuple[float, float]], list[t
     pairs, cpu = runs
     return {"workload": {"requests": a.requests, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
                          "dtype": a.dtype, "threads": torch.get_num_threads()},
-            f"{on}_tok_s": statistics.median(x for x, _ in pairs), f"{off}_tok_s": statistics.median(y for _, y in pairs),
+            f"{on}_tok_s": statistics.median(x for x, _ in pairs),
+            f"{off}_tok_s": statistics.median(y for _, y in pairs),
             f"{on}_over_{off}": statistics.median(x / y for x, y in pairs),
             f"{on}_cpu_s_over_{off}": statistics.median(x / y for x, y in cpu), "runs": pairs, "cpu_s": cpu,
             "machine": machine_info()}
@@ -172,7 +173,8 @@ def compare_ledger(a: argparse.Namespace) -> int:
     result = summary(a, runs, "ledger_on", "ledger_off")
     result["ledger_rows_written"] = rows
     print(f"ledger: on {result['ledger_on_tok_s']:.1f} tok/s, off {result['ledger_off_tok_s']:.1f} tok/s, "
-          f"ratio {result['ledger_on_over_ledger_off']:.3f}; CPU seconds on/off {result['ledger_on_cpu_s_over_ledger_off']:.3f} "
+          f"ratio {result['ledger_on_over_ledger_off']:.3f}; "
+          f"CPU seconds on/off {result['ledger_on_cpu_s_over_ledger_off']:.3f} "
           f"(medians of {a.repeats} pairs; {rows} rows written)")
     _save(a.out or "bench_out/ledger_cost.json", result)
     return 0

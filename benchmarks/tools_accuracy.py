@@ -37,7 +37,8 @@ TOOLS = [
     fn("get_time", "Get the current local time in an IANA time zone such as Europe/Paris", {"timezone": S},
        ["timezone"]),
     fn("convert_currency", "Convert an amount of money from one currency to another",
-       {"amount": {"type": "number"}, "from_currency": S, "to_currency": S}, ["amount", "from_currency", "to_currency"]),
+       {"amount": {"type": "number"}, "from_currency": S, "to_currency": S},
+       ["amount", "from_currency", "to_currency"]),
     fn("send_email", "Send an email", {"to": S, "subject": S, "body": S}, ["to", "subject", "body"]),
     fn("search_web", "Search the web and return the top results", {"query": S}, ["query"]),
 ]

@@ -8,7 +8,8 @@ SamplingParams(...))` and `LLM.chat(messages, ...)`, in this process, on the sam
 
 engine_options are the fields of kvseal.config's ModelConfig, CacheConfig, SchedulerConfig and GrammarConfig by
 name (dtype, kernels, arithmetic, max_model_len, page_size, pool_tokens, kv_dtype, prefix_cache,
-max_num_batched_tokens, grammar_timeout_s, ...) and `seed`. A request the engine refuses raises its error (kvseal.errors.KvsealError), never a stand-in output.
+max_num_batched_tokens, grammar_timeout_s, ...) and `seed`. A request the engine refuses raises its error
+(kvseal.errors.KvsealError), never a stand-in output.
 With n > 1 the first sample computes the prompt and the others start once it is in the prefix cache, so the
 samples share the prompt's pages; each sample has its own seed stream (engine/sampling.sample_seed).
 """

@@ -40,7 +40,8 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-completed", type=float, default=0.5,
                    help="fraction of requests that must be answered for a verdict (else exit 2)")
     p.add_argument("--report", default="audit_report.json", help="where to write the JSON report")
-    p.add_argument("--seed", type=int, default=None, help="seed for secrets and prompts (random when not given; the report records it)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed for secrets and prompts (random when not given; the report records it)")
     p.add_argument("--api-key", default=None, help="bearer token to send (the server's API key)")
     t = p.add_argument_group("across tenants (instead of the canary audit)")
     t.add_argument("--tenant-keys", default=None, metavar="KEY_A,KEY_B",

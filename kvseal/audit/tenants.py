@@ -93,7 +93,8 @@ def verdict(trials: list[Trial]) -> dict[str, Any]:
     shared = (copy <= SHARED_RATIO * fresh and faster >= SHARED_FRACTION) or any(n > 0 for n in reported)
     if shared:
         text = (f"SHARED: tenant B's copy of tenant A's prompt took {copy / fresh:.2f}x the time of a fresh prompt "
-                f"(faster in {faster:.0%} of trials{', and the server reported cached tokens' if any(reported) else ''})"
+                f"(faster in {faster:.0%} of trials"
+                f"{', and the server reported cached tokens' if any(reported) else ''})"
                 f": one tenant can tell what another sent")
     elif control <= SHARED_RATIO:
         text = (f"ISOLATED: tenant A's own repeat took {control:.2f}x (its cache works) but tenant B's copy took "

@@ -33,8 +33,8 @@ def add_kv_channel_arg(p: argparse.ArgumentParser) -> None:
                    help="with fleet keys and --kv-transport zmq, how the KV pages cross (the decode worker chooses; "
                         "prefill follows its reservations): mac: in clear, every message with an HMAC and the "
                         "connection with a session token (the KV transfer at near full speed); curve: encrypted "
-                        "(ZeroMQ CURVE; 0.33-0.50x of the KV transfer's speed, mac 0.50-0.68x: docs/benchmarks.md). NIXL's offers are "
-                        "always encrypted; its UCX data path never is")
+                        "(ZeroMQ CURVE; 0.33-0.50x of the KV transfer's speed, mac 0.50-0.68x: docs/benchmarks.md). "
+                        "NIXL's offers are always encrypted; its UCX data path never is")
 
 
 def add_keys_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -78,7 +78,8 @@ def _cache_root() -> Path:
 
 
 def library_path() -> Path:
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS)
+                            + " ".join(FLAGS).encode()).hexdigest()[:16]
     return _cache_root() / f"libkvseal_cpu_{digest}.so"
 
 
@@ -98,7 +99,8 @@ def build(verbose: bool = False) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"compiling {', '.join(s.name for s in SOURCES)} failed ({' '.join(cmd)}):\n{proc.stderr.strip()}")
+        raise RuntimeError(f"compiling {', '.join(s.name for s in SOURCES)} failed ({' '.join(cmd)}):\n"
+                           f"{proc.stderr.strip()}")
     os.replace(tmp, lib)
     return lib
 

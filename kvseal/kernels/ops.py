@@ -47,7 +47,8 @@ def row_bytes(qtype: int, k: int) -> int:
     step = max(32, elems)
     if k <= 0 or k % step:
         raise ValueError(f"a {TYPE_NAMES[qtype]} weight needs an input size that is a multiple of {step}, got {k}; "
-                         f"re-quantize this tensor to a type with {'32-weight blocks (Q8_0, Q5_0)' if step > 32 else 'that size'}")
+                         "re-quantize this tensor to a type with "
+                         f"{'32-weight blocks (Q8_0, Q5_0)' if step > 32 else 'that size'}")
     return k // elems * size
 
 

@@ -110,7 +110,8 @@ class LlamaModel:
         # The fast arithmetic runs every step's layers in one C call (forward.c); None: op by op (tests compare).
         self._c_fast = None
         qs = [(ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, ly.bqkv, ly.ln1, ly.ln2) for ly in self.layers]
-        if fast and plain and all(isinstance(w, QWeight) for q in qs for w in q[:4]):  # not when a weight is Dequantized
+        # not when a weight is Dequantized
+        if fast and plain and all(isinstance(w, QWeight) for q in qs for w in q[:4]):
             self._c_fast = ops.layer_table(qs)  # type: ignore[arg-type]  # Weight narrowed by the check above
 
     @torch.inference_mode()

@@ -82,8 +82,9 @@ class MessagesStream:
         self.called = False
 
     def opening(self) -> list[str]:
-        msg: dict[str, Any] = {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
-               "stop_reason": None, "stop_sequence": None, "usage": usage(self.prompt_tokens, 0, 0)}
+        msg: dict[str, Any] = {"id": self.mid, "type": "message", "role": "assistant", "model": self.model,
+                               "content": [], "stop_reason": None, "stop_sequence": None,
+                               "usage": usage(self.prompt_tokens, 0, 0)}
         return [_ev({"type": "message_start", "message": msg})]
 
     def delta(self, i: int, d: GenerateDelta) -> list[str]:

@@ -2,9 +2,9 @@
 
 The served context window is the smallest any eligible worker can hold. The router refuses to start when a
 worker's KV pool holds fewer tokens than that window, or when workers disagree on the model fingerprint, page
-size, KV dtype, KV layout, kernels, arithmetic or KV transport. After start, the fleet as it started is a `FleetSpec`, and a
-worker that connects, reconnects or registers must match it in full (`check_worker`), its tokenizer and its
-test faults included, before it gets a request. Each message names both numbers and both fixes.
+size, KV dtype, KV layout, kernels, arithmetic or KV transport. After start, the fleet as it started is a
+`FleetSpec`, and a worker that connects, reconnects or registers must match it in full (`check_worker`), its
+tokenizer and its test faults included, before it gets a request. Each message names both numbers and both fixes.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ def format_lps(tok: Tokenizer, lps: list[TokenLogprob] | None, chat: bool, offse
 
 
 def usage_of(finals: list[GenerateDelta]) -> dict[str, Any]:
-    """finals: each sample's final delta, in sample order. The prompt counted once (and its cache hits: sample 0's, which computed it), completions summed."""
+    """finals: each sample's final delta, in sample order. The prompt counted once (and its cache hits: sample 0's,
+    which computed it), completions summed."""
     return usage(finals[0].prompt_tokens, sum(d.completion_tokens for d in finals), finals[0].cached_tokens)
 
 

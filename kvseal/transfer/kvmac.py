@@ -4,8 +4,9 @@ every message both ways carries a MAC, and only a holder of the session's token 
 Why not CURVE here: CURVE encrypts every byte in libzmq's one I/O thread per connection (XSalsa20-Poly1305 with
 copies), which cut the ZeroMQ KV transfer to a third to a half of its speed (docs/benchmarks.md). A MAC is one
 keyed-hash pass per side (0.50-0.68x there: cheaper, not free); the hash is keyed BLAKE3 (a PRF, SIMD in one
-pass: about 4x HMAC-SHA256 on the same loaded core), because the rest of this path runs at memory speed. The control channels and NIXL's offers stay CURVE (small messages, encrypted);
-`--kv-channel curve` keeps this channel encrypted too, at that cost.
+pass: about 4x HMAC-SHA256 on the same loaded core), because the rest of this path runs at memory speed. The
+control channels and NIXL's offers stay CURVE (small messages, encrypted); `--kv-channel curve` keeps this
+channel encrypted too, at that cost.
 
 The session: decode draws a random 32-byte secret per process and sends it in each reservation
 (`Reservation.kv_session`), which reaches prefill only over the CURVE control channels (decode -> router ->

@@ -151,7 +151,8 @@ class DeltaMsg(_Msg, tag="delta", frozen=True, kw_only=True):
 
 
 Message = (InfoReq | InfoResp | ReserveReq | ReserveResp | PrefillReq | PrefillResp | ReleaseReq | RenewReq
-           | HandoffStarted | AbortReq | StatusReq | StatusResp | DrainReq | DrainResp | DrainNotice | JoinReq | JoinResp | DeltaMsg)
+           | HandoffStarted | AbortReq | StatusReq | StatusResp | DrainReq | DrainResp | DrainNotice | JoinReq
+           | JoinResp | DeltaMsg)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

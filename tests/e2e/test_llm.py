@@ -59,8 +59,9 @@ def test_n_samples_logprobs_and_seeds(llm: LLM) -> None:
 
 
 def test_response_format(llm: LLM) -> None:
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer", "minimum": 0,
-                                                                                   "maximum": 10**8}},
+    schema = {"type": "object",
+              "properties": {"city": {"type": "string"},
+                             "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
               "required": ["city", "population"]}
     out = llm.chat([{"role": "user", "content": "Tell me about Paris."}],
                    SamplingParams(temperature=0, max_tokens=60,

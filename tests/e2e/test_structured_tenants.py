@@ -1,12 +1,12 @@
 """One tenant's slow response_format does not stall another tenant's stream (issue 17 section 3).
 
-Alice streams greedy tokens (from a disaggregated fleet, and from one unified process) while Bob sends a 41-byte schema whose grammar takes
-seconds to compile. Grammars compile in killable processes off the workers' loops, so Alice's worst gap while
-Bob's compile runs stays within 3 of her own decode steps (her median gap in the same stream; on a host busy with
-other work, within twice the worst gap her stream shows outside Bob's compile; never less than a fifth of the
-compile limit, as Bob's compiler process takes one of two cores), and Bob
-gets a 400 naming response_format when his compile passes the limit. A compile on a worker's loop would stall her
-for the whole compile.
+Alice streams greedy tokens (from a disaggregated fleet, and from one unified process) while Bob sends a 41-byte
+schema whose grammar takes seconds to compile. Grammars compile in killable processes off the workers' loops, so
+Alice's worst gap while Bob's compile runs stays within 3 of her own decode steps (her median gap in the same
+stream; on a host busy with other work, within twice the worst gap her stream shows outside Bob's compile; never
+less than a fifth of the compile limit, as Bob's compiler process takes one of two cores), and Bob gets a 400
+naming response_format when his compile passes the limit. A compile on a worker's loop would stall her for the
+whole compile.
 """
 
 from __future__ import annotations

@@ -115,7 +115,8 @@ def test_none_never_calls(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict_mode": True}}]}, "tools.0.function.strict_mode"),
+    ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict_mode": True}}]},
+     "tools.0.function.strict_mode"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "rm"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "logprobs": True}, "logprobs"),

@@ -129,7 +129,8 @@ def _prefill(spec: PoolSpec, seed: int, cmds: mp.Queue[Any], out: mp.Queue[Any])
 
 
 class PrefillProcess:
-    """`send(reservation, source pages, timeout_s)` runs NixlTransport.send in the child; its pool is `spec.pool(seed)`."""
+    """`send(reservation, source pages, timeout_s)` runs NixlTransport.send in the child; its pool is
+    `spec.pool(seed)`."""
 
     def __init__(self, spec: PoolSpec, seed: int = 1) -> None:
         ctx = mp.get_context("spawn")

@@ -60,8 +60,9 @@ class Pod:
             self.decode = self.run("decode", "--fleet-member", "decode", "--host", "127.0.0.1", "--port",
                                    str(d_port), "--kv-port", str(kv_port), "--advertise-host", "localhost", *common)
             self.router = self.run("router", "--fleet-member", "router", "--fleet-keys", "/keys", "--host",
-                                   "127.0.0.1", "--port", str(api_port), "--fleet-port", str(fleet_port), "--ledger", "off", "--prefill",
-                                   f"prefill@127.0.0.1:{p_port}", "--decode", f"decode@localhost:{d_port}")
+                                   "127.0.0.1", "--port", str(api_port), "--fleet-port", str(fleet_port),
+                                   "--ledger", "off", "--prefill", f"prefill@127.0.0.1:{p_port}",
+                                   "--decode", f"decode@localhost:{d_port}")
             self.url = f"http://127.0.0.1:{api_port}"
             self.kv_endpoint = f"tcp://localhost:{kv_port}"
             wait_until(self.router_up, 180, "the router container's /health")

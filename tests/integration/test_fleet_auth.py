@@ -75,7 +75,8 @@ def _stranger(endpoint: str, keys: MemberKeys | None, server_key: str | None,
         sock.send(P.encode(P.InfoReq(call_id=1)))
         refused, deadline = False, time.monotonic() + (3 if keys is not None or token is not None else 0)
         while time.monotonic() < deadline and not refused:
-            refused = monitor.poll(100) > 0 and recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            refused = (monitor.poll(100) > 0
+                       and recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         return sock.poll(500) > 0, refused
     finally:
         sock.disable_monitor()
@@ -88,7 +89,8 @@ def test_strangers_get_nothing_from_the_control_and_kv_ports(fleet: Fleet) -> No
     assert _complete(fleet) == "length"
     before = {w.role: w.info() for w in (fleet.prefill, fleet.decode)}
     assert before["decode"]["fleet_auth"] == "curve" and before["decode"]["kv_channel"] == "mac"
-    for endpoint, member in ((f"tcp://{fleet.prefill.endpoint}", "prefill"), (f"tcp://{fleet.decode.endpoint}", "decode")):
+    for endpoint, member in ((f"tcp://{fleet.prefill.endpoint}", "prefill"),
+                             (f"tcp://{fleet.decode.endpoint}", "decode")):
         assert _stranger(endpoint, None, None) == (False, False)  # no key: no handshake, nothing read
         # its own key, pinning the worker's real key: refused by the allow-list at the handshake
         assert _stranger(endpoint, fresh_member(), public_key(fleet.keys, member)) == (False, True)

@@ -79,7 +79,8 @@ def test_a_finished_request_moves_tokens_latencies_scrubs_and_transfers(fleet: F
     assert value(p1, "kvseal:pages_scrubbed_total") - value(p0, "kvseal:pages_scrubbed_total") == 1
     assert value(d1, "kvseal:pages_scrubbed_total") - value(d0, "kvseal:pages_scrubbed_total") == 3
     assert value(d1, "kvseal:kv_cache_usage_perc") == 0.0
-    assert value(p1, "kvseal:request_queue_time_seconds_count") == value(p0, "kvseal:request_queue_time_seconds_count") + 1
+    assert (value(p1, "kvseal:request_queue_time_seconds_count")
+            == value(p0, "kvseal:request_queue_time_seconds_count") + 1)
     assert value(d1, "kvseal:ownership_check_failures_total") == 0
     (labels,) = [dict(k) for (n, k), v in d1.items() if n == "kvseal:worker_info" and v == 1]
     info = fleet.decode.info()

@@ -94,7 +94,8 @@ def test_a_read_past_its_deadline_keeps_its_pages_until_nixl_says_it_is_over(tcp
             figures = prefill.figures() if prefill.proc.is_alive() else {}
             prefill.close()
 
-        changed = (~torch.eq(d.pool.k[:, pages], snapshot[0])).sum() + (~torch.eq(d.pool.v[:, pages], snapshot[1])).sum()
+        changed = ((~torch.eq(d.pool.k[:, pages], snapshot[0])).sum()
+                   + (~torch.eq(d.pool.v[:, pages], snapshot[1])).sum())
         assert int(changed) == 0, f"{int(changed)} elements of the freed pages changed after the read was over"
         assert not snapshot[0].any() and not snapshot[1].any(), "the pages were not scrubbed when they were freed"
         assert continued and ended_at > continued[0], "the pages were freed while the prefill worker was stopped"

@@ -28,7 +28,8 @@ def test_anthropic_blocks_become_template_messages() -> None:
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "17C"},
         {"role": "user", "content": "Thanks"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: timeout"}]

@@ -168,7 +168,8 @@ def test_table_levels_union_and_rate_labels() -> None:
                     {"level": {"max_concurrency": None, "request_rate": 2.5}, "metrics": {"output_tok_s": 2}}]}
     assert list(bt.passes_by_level(a)) == ["rate=inf", "rate=2.5/s"]
     t = bt.build_table({"kvseal": _result([(1, 1.0, 1.0, 1.0)]), "hf": _result([(2, 2.0, 2.0, 2.0)])})
-    assert [_cells(ln)[:2] for ln in t.splitlines()[2:]] == [["c=1", "kvseal unified"], ["c=2", "transformers (static batches)"]]
+    assert [_cells(ln)[:2] for ln in t.splitlines()[2:]] == [["c=1", "kvseal unified"],
+                                                             ["c=2", "transformers (static batches)"]]
 
 
 def test_summary_table_has_a_row_for_every_system() -> None:
@@ -285,7 +286,8 @@ def test_run_records_a_row_for_peers_that_cannot_start(tmp_path: Path, monkeypat
     doc = json.loads((tmp_path / "out" / "baselines.json").read_text())
     ls, vl = doc["systems"]["llama-server"], doc["systems"]["vllm"]
     assert ls["status"] == "unavailable" and "not built" in ls["reason"] and ls["servers"] == []
-    assert vl["status"] == "failed" and vl["reason"] == "exited with 1 while starting: ValueError: no oneDNN kernel for this CPU"
+    assert (vl["status"] == "failed"
+            and vl["reason"] == "exited with 1 while starting: ValueError: no oneDNN kernel for this CPU")
     assert doc["machine"]["isa"].keys() == set(cpu_record.ISA_FLAGS) and doc["settings"]["slots"] == 8
     assert doc["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
     out = capsys.readouterr().out

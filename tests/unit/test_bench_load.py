@@ -178,7 +178,8 @@ def test_summary_on_hand_computed_values() -> None:
     assert (s["total_input_tokens"], s["total_output_tokens"]) == (32, 10)
     assert s["request_throughput"] == pytest.approx(1.5)
     assert (s["input_tok_s"], s["output_tok_s"], s["total_tok_s"]) == pytest.approx((16.0, 5.0, 21.0))
-    expect = {"ttft": (1600 / 3, 500.0, 892.0), "tpot": ((500 / 3 + 25) / 2, (500 / 3 + 25) / 2, 25 + (500 / 3 - 25) * 0.99),
+    expect = {"ttft": (1600 / 3, 500.0, 892.0),
+              "tpot": ((500 / 3 + 25) / 2, (500 / 3 + 25) / 2, 25 + (500 / 3 - 25) * 0.99),
               "itl": (150.0, 150.0, 200.0), "e2e": (2500 / 3, 1000.0, 1098.0)}
     for m, (mean, med, p99) in expect.items():
         assert (s[f"{m}_mean_ms"], s[f"{m}_median_ms"], s[f"{m}_p99_ms"]) == pytest.approx((mean, med, p99)), m

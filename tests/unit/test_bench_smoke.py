@@ -73,7 +73,8 @@ def test_args_and_tables() -> None:
     run = {"tok_s": 10.0, "tokens": 16.0, "wall_s": 1.6, "ttft_median": 0.2, "ttft_p99": 0.3,
            "tpot_median": 0.05, "tpot_p99": 0.06}
     system = {"summary": {"1": run, "4": {**run, "tok_s": 30.0}}, "prefill": {"ttft": 0.5, "tok_s": 512.0}}
-    hf = {"summary": {"1": {**run, "tok_s": 5.0}, "4": {**run, "tok_s": 10.0}}, "prefill": {"ttft": 1.0, "tok_s": 256.0}}
+    hf = {"summary": {"1": {**run, "tok_s": 5.0}, "4": {**run, "tok_s": 10.0}},
+          "prefill": {"ttft": 1.0, "tok_s": 256.0}}
     out = {"results": {"float32": {"hf": hf, "engine": system, "greedy_match": 16}}}
     text = bench.tables(out, [1, 4], 256)
     assert "| float32 | decode tok/s, c=4" in text

@@ -18,7 +18,8 @@ from kvseal.config import EngineConfig
 from kvseal.worker.run import WorkerSpec
 
 
-def test_kvseal_keys_writes_0600_files_and_refuses_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_kvseal_keys_writes_0600_files_and_refuses_to_overwrite(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     d = tmp_path / "fleet"
     assert main(["keys", str(d)]) == 0
     files = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())

@@ -126,7 +126,8 @@ def test_packed_linear_on_extreme_blocks(qtype: int) -> None:
 
 def test_k_quants_refuse_input_sizes_that_are_not_whole_super_blocks() -> None:
     for qtype in K_QUANTS:
-        with pytest.raises(ValueError, match=f"{TYPE_NAMES[qtype]} weight needs an input size that is a multiple of 256, got 288"):
+        with pytest.raises(ValueError,
+                           match=f"{TYPE_NAMES[qtype]} weight needs an input size that is a multiple of 256, got 288"):
             PackedWeight(qtype, 4, 288, torch.zeros(4, 144, dtype=torch.uint8))
     with pytest.raises(ValueError, match="multiple of 32, got 40"):
         PackedWeight(Q8_0, 4, 40, torch.zeros(4, 34, dtype=torch.uint8))

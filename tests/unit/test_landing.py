@@ -69,7 +69,8 @@ def test_a_claim_that_does_not_name_the_reservation_moves_nothing_and_harms_noth
     reservation; the genuine arrival is then served."""
     p, d = _engines()
     m, src, res = _offer(p, d, "t")
-    bad = msgspec.structs.replace(m, **{"nonce": {"nonce": "0" * 32}, "reservation_id": {"reservation_id": "x"}}[tamper])
+    bad = msgspec.structs.replace(m, **{"nonce": {"nonce": "0" * 32},
+                                        "reservation_id": {"reservation_id": "x"}}[tamper])
     with pytest.raises(TransferVerificationFailed, match=tamper) as e:
         d.claim(bad)
     assert res.nonce not in e.value.message and res.reservation_id not in e.value.message  # nothing to learn

@@ -187,7 +187,8 @@ def test_hf_config_variants() -> None:
     bad_configs: list[tuple[dict[str, Any], str]] = [
         ({"model_type": "gpt2"}, "model_type='gpt2'"),
         ({**gemma, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
-        ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True, "layer_types": ["x"]}, "layer_types"),
+        ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True, "layer_types": ["x"]},
+         "layer_types"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"attention_bias": True}, "attention_bias"),
     ]

@@ -81,7 +81,8 @@ def test_cache_is_built_once_then_mapped(tmp_path: Path, cache_dir: Path, fast: 
     monkeypatch.setattr(QuantTensor, "blocks_in_order", fail)  # what a derived exact weight is made from
     second = LlamaModel(ck, torch.float32, CPU, native=True, fast=fast)
     after = path.stat()
-    assert second.weights_cache == first.weights_cache and (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert (second.weights_cache == first.weights_cache
+            and (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns))
     assert all(torch.equal(a, b) for a, b in zip(built, _bytes(second), strict=True))
     gguf_file = os.path.realpath(ck.source)
     for w in _matrices(second):

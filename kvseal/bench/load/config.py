@@ -158,8 +158,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--request-rate", default="inf",
                     help="requests per second, Poisson arrivals (inf: all at once); a comma list sweeps")
     lo.add_argument("--max-concurrency", default=None,
-                    help="most requests in flight (when not given: no cap); a comma list such as 1,4,16,32 runs one pass "
-                         "per value, in order")
+                    help="most requests in flight (when not given: no cap); a comma list such as 1,4,16,32 runs one "
+                         "pass per value, in order")
     lo.add_argument("--prompts-per-level", default=None,
                     help="requests in each pass of a sweep instead of --num-prompts: one count, or one per pass")
     lo.add_argument("--fresh-prompts", action="store_true",
@@ -174,7 +174,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                     help="requests sent one by one before the first pass, not measured; when one fails the run "
                          "stops with exit 2")
     o = p.add_argument_group("output")
-    o.add_argument("--result-json", default=None, metavar="PATH", help="write the config, machine facts and every pass here")
+    o.add_argument("--result-json", default=None, metavar="PATH",
+                   help="write the config, machine facts and every pass here")
     o.add_argument("--save-requests", action="store_true", help="put each request's raw numbers in --result-json")
     o.add_argument("--plot", default=None, metavar="PATH.png",
                    help="plot output tok/s, TTFT and TPOT (median, p99) against the swept value (needs matplotlib)")
