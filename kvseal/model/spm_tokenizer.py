@@ -69,12 +69,12 @@ def cached_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple
         merges = rebuild_merges(vocab, scores)
         parts = [x for pair in merges for x in pair]
         everything = "".join(parts)
-        sep = next((c for c in map(chr, range(0xE000, 0xF900)) if c not in everything), None)
-        if sep is None:  # every private-use character is in the vocabulary: nothing to separate with
+        free = next((c for c in map(chr, range(0xE000, 0xF900)) if c not in everything), None)
+        if free is None:  # every private-use character is in the vocabulary: nothing to separate with
             return merges
         try:
-            body = sep.join(parts)
-            write_atomic(path, f"{digest} {len(merges)} {len(body)}\n{sep}\n{body}".encode("utf-8", "surrogatepass"))
+            body = free.join(parts)
+            write_atomic(path, f"{digest} {len(merges)} {len(body)}\n{free}\n{body}".encode("utf-8", "surrogatepass"))
         except OSError as exc:  # a read-only cache: rebuilt at every start, still right
             logging.getLogger("kvseal.model").warning("could not keep the tokenizer's merges in %s: %s", path, exc)
         return merges
