@@ -16,6 +16,9 @@
 # kvseal.tree is the digest of kvseal/, pyproject.toml, the Containerfile and this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mkdir -p build
+exec 9>build/.image.lock
+flock 9  # one build at a time (parallel test workers): the next one finds the image built from this tree
 TAG=${KVSEAL_IMAGE:-localhost/kvseal:latest}
 BASE=localhost/kvseal-base:bookworm
 MIRROR=${KVSEAL_DEBIAN_MIRROR:-http://deb.debian.org/debian}
