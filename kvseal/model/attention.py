@@ -36,6 +36,8 @@ class AttentionMeta:
     # the fast arithmetic's attention (kvseal/kernels/attention.c) takes every row of the step at once:
     spans: torch.Tensor | None = None  # (n, 5) int64: first row, rows, first position, offset in tables, pages
     tables: torch.Tensor | None = None  # (sum of pages,) int64: each span's page table, concatenated
+    # the sliding layers' own slots and tables when they keep only their window in a pool of their own (kv/window.py)
+    window: AttentionMeta | None = None
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:

@@ -118,9 +118,10 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # (T,) int64
         positions: torch.Tensor,  # (T,) int64 absolute positions
-        k_cache: torch.Tensor,  # (L, P, S, KVH, D)
-        v_cache: torch.Tensor,
-        meta: AttentionMeta,
+        # (L, P, S, KVH, D), or per layer (P, S, KVH, D) when the sliding layers have their own pool (kv/window.py)
+        k_cache: torch.Tensor | list[torch.Tensor],
+        v_cache: torch.Tensor | list[torch.Tensor],
+        meta: AttentionMeta,  # meta.window: the sliding layers' own tables, when they have their own pool
         logits_rows: torch.Tensor,  # (B,) int64 rows whose next-token logits are wanted
     ) -> torch.Tensor:  # (B, V) float32 logits
         a = self.arch
@@ -131,7 +132,11 @@ class LlamaModel:
             h = self.embed.rows(input_ids.cpu()).to(device=self.device, dtype=self.dtype)  # (T, E)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        if self.fast and self._c_fast is not None:
+        if isinstance(k_cache, list) or isinstance(v_cache, list):
+            # the sliding layers have their own pool (kv/window.py): only the layer-by-layer path reads it
+            assert self._c_layers is None and not self.fast and meta.window is not None
+            h = self._layers(h, positions, k_cache, v_cache, meta)
+        elif self.fast and self._c_fast is not None:
             assert meta.spans is not None and meta.tables is not None
             ops.forward_fast(self._c_fast, (a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
                              a.head_dim), a.rms_eps, self.scale, self.cos, self.sin, k_cache, v_cache, h, positions,
@@ -147,28 +152,35 @@ class LlamaModel:
                                a.head_dim, k_cache.shape[2]), a.rms_eps, self.scale, self.cos, self.sin, k_cache,
                                v_cache, h, positions, meta.slot_mapping, meta.decode_pages, meta.decode_kv_lens)
         else:
-            rotate = self._rotary(positions, self.cos, self.sin)
-            rotate_local = rotate if self.cos_local is self.cos else self._rotary(positions, self.cos_local,
-                                                                                   self.sin_local)
-            hd = a.num_heads * a.head_dim
-            for i, layer in enumerate(self.layers):
-                x = self._norm(h, layer.ln1)
-                qkv = linear(x, layer.wqkv, layer.bqkv)  # (T, HD + 2 KD)
-                if layer.q_norm is not None:
-                    assert layer.k_norm is not None
-                    qkv = self._qk_norm(qkv, layer.q_norm, layer.k_norm)
-                windowed = bool(a.layer_windows) and a.layer_windows[i] > 0  # Gemma: its own rope base
-                q, k, v = (rotate_local if windowed else rotate)(qkv)  # (T, H, D), (T, KVH, D), (T, KVH, D)
-                o = paged_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale, self.native, self.windows[i])
-                o = linear(o.reshape(t, hd), layer.wo)
-                h = h + (o if layer.post_attn is None else self._norm(o, layer.post_attn))
-                x = self._norm(h, layer.ln2)
-                m = linear(self._gated(linear(x, layer.w_gate_up)), layer.w_down)
-                h = h + (m if layer.post_ffn is None else self._norm(m, layer.post_ffn))
+            h = self._layers(h, positions, k_cache, v_cache, meta)
         logits = linear(self._norm(h[logits_rows], self.norm), self.lm_head).float()
         if a.final_softcap is not None:
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
+
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor | list[torch.Tensor],
+                v_cache: torch.Tensor | list[torch.Tensor], meta: AttentionMeta) -> torch.Tensor:
+        """Every layer, one op at a time (torch or native ops); k_cache[i], v_cache[i]: layer i's (P, S, KVH, D)."""
+        a = self.arch
+        t, hd = h.shape[0], a.num_heads * a.head_dim
+        rotate = self._rotary(positions, self.cos, self.sin)
+        rotate_local = rotate if self.cos_local is self.cos else self._rotary(positions, self.cos_local, self.sin_local)
+        for i, layer in enumerate(self.layers):
+            x = self._norm(h, layer.ln1)
+            qkv = linear(x, layer.wqkv, layer.bqkv)  # (T, HD + 2 KD)
+            if layer.q_norm is not None:
+                assert layer.k_norm is not None
+                qkv = self._qk_norm(qkv, layer.q_norm, layer.k_norm)
+            windowed = bool(a.layer_windows) and a.layer_windows[i] > 0  # Gemma: its own rope base
+            q, k, v = (rotate_local if windowed else rotate)(qkv)  # (T, H, D), (T, KVH, D), (T, KVH, D)
+            m_i = meta.window if self.windows[i] and meta.window is not None else meta  # its pool's tables
+            o = paged_attention(q, k, v, k_cache[i], v_cache[i], m_i, self.scale, self.native, self.windows[i])
+            o = linear(o.reshape(t, hd), layer.wo)
+            h = h + (o if layer.post_attn is None else self._norm(o, layer.post_attn))
+            x = self._norm(h, layer.ln2)
+            m = linear(self._gated(linear(x, layer.w_gate_up)), layer.w_down)
+            h = h + (m if layer.post_ffn is None else self._norm(m, layer.post_ffn))
+        return h
 
     def _layers_fast(self, h: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMeta) -> torch.Tensor:

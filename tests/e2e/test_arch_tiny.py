@@ -1,6 +1,8 @@
 """The architectures of issue 18 (Llama 3, Qwen3, Mistral, Gemma 3) against transformers fp32: greedy ids of
 kvseal's engine with the exact arithmetic equal transformers' on tiny random checkpoints the test builds, token for
-token, with prompts (and chunked prefills) running past Mistral's and Gemma 3's sliding window."""
+token, with prompts (and chunked prefills) running past Mistral's and Gemma 3's sliding window, whose layers keep only
+their window of KV pages (kvseal/kv/window.py): the pages that left it were dropped, and both pools are back at their
+baseline after."""
 
 from __future__ import annotations
 
@@ -31,8 +33,20 @@ def prompts_for(ck: Checkpoint, seed: int = 3) -> list[list[int]]:
 def kvseal_greedy(ck: Checkpoint, prompts: list[list[int]], kernels: str, new: int = NEW) -> list[list[int]]:
     llm = LLM(checkpoint=ck, kernels=kernels, arithmetic="exact", page_size=8, pool_tokens=1024,
               max_num_batched_tokens=32)
-    assert llm.engine.kernels == kernels and not llm.engine.arithmetic.fast
+    e = llm.engine
+    assert e.kernels == kernels and not e.arithmetic.fast
     outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+    windowed = TINY_WINDOW in ck.arch.layer_windows
+    assert (e.window is not None) == windowed  # Mistral, Gemma 3: the sliding layers in a pool of their own
+    if e.window is not None:
+        assert e.window.layers == tuple(i for i, w in enumerate(ck.arch.layer_windows) if w)
+        # every page before the last window of each sequence went, as it left (8-token pages, a 16-token window)
+        last = [len(p) + new - 1 for p in prompts]
+        assert e.window.pages_dropped == sum(max(0, n - TINY_WINDOW + 1) // 8 for n in last) > 0
+        e.window.allocator.check_integrity()
+        assert e.window.allocator.num_free == e.window.pool.num_pages and not e.window.pool.k.any()
+    e.allocator.check_integrity()
+    assert e.allocator.num_free == e.pool.num_pages
     return [o.outputs[0].token_ids for o in outs]
 
 

@@ -1,0 +1,154 @@
+"""Sliding-window layers keep only their window of KV pages (kvseal/kv/window.py), on a tiny random model whose first
+layer slides over 8 tokens and whose second attends to everything: a long sequence holds a few window pages, every
+page that leaves the window is scrubbed and freed as it leaves, both pools return to their baseline, greedy tokens
+equal those of an engine that keeps every page, and a window table naming another request's page fails that request
+alone (seal 5). The e2e twin (tests/e2e/test_arch_tiny.py) checks Mistral and Gemma 3 against transformers."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvseal.engine.engine import Engine
+from kvseal.engine.messages import GenerateRequest, SamplingParams
+from kvseal.kv.allocator import FREE, NotOwner, pages_for
+from kvseal.kv.window import WindowPages, split_window, window_pool_pages
+from kvseal.model.checkpoint import Checkpoint
+
+from .conftest import make_engine, tiny_checkpoint
+from .test_engine import drain, prompt, tokens
+
+WINDOW, PAGE, BUDGET = 8, 4, 16
+PARAMS = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def windowed() -> Checkpoint:
+    ck = tiny_checkpoint()
+    return dataclasses.replace(ck, arch=dataclasses.replace(ck.arch, layer_windows=(WINDOW, 0)))
+
+
+def keeping_every_page(ck: Checkpoint, monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of an engine whose sliding layer keeps every page (one pool, the window only masked)."""
+    with monkeypatch.context() as m:
+        m.setattr("kvseal.engine.engine.split_window", lambda windows: 0)
+        e = make_engine(ck, page_size=PAGE, budget=BUDGET)
+        assert e.window is None
+        for i, p in enumerate(prompts):
+            e.add_request(GenerateRequest(f"r{i}", p, PARAMS))
+        out = drain(e)
+    return [tokens(out[f"r{i}"]) for i in range(len(prompts))]
+
+
+def at_baseline(e: Engine) -> bool:
+    assert e.window is not None
+    e.allocator.check_integrity()
+    e.window.allocator.check_integrity()
+    return (e.allocator.num_free == e.pool.num_pages and e.window.allocator.num_free == e.window.pool.num_pages
+            and not e.window.pool.k.any() and not e.window.pool.v.any())
+
+
+def test_split_window() -> None:
+    assert split_window((16, 0, 16, 0)) == 16 and split_window((16, 16)) == 16
+    assert split_window((0, 0)) == 0 and split_window((16, 32)) == 0  # nothing slides / two windows: not split
+    assert window_pool_pages(16, 8, 2, 32, main_pages=1000) == 2 * (pages_for(47, 8) + 1)
+    assert window_pool_pages(16, 8, 64, 32, main_pages=100) == 100  # never more than the main pool
+
+
+def test_a_long_sequence_keeps_only_its_window_and_each_dropped_page_is_scrubbed_and_freed(
+        windowed: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = prompt(50, 1)
+    e = make_engine(windowed, page_size=PAGE, budget=BUDGET)
+    w = e.window
+    assert w is not None and w.layers == (0,) and w.full_layers == (1,)
+    assert e.pool.k.shape[0] == 1 and w.pool.k.shape[0] == 1  # each layer's KV in one pool only
+    e.add_request(GenerateRequest("x", ids, PARAMS))
+    freed: list[tuple[int, bool]] = []  # (page, held KV when freed) for every page the window pool freed
+    free = w.allocator.free
+
+    def spy(owner: object, pages: list[int]) -> None:
+        freed.extend((p, bool(w.pool.k[:, p].any())) for p in pages)
+        free(owner, pages)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(w.allocator, "free", spy)
+    out: list = []
+    held_most = 0
+    while e.has_work():
+        seen = len(freed)
+        out += e.step()
+        for p, held in freed[seen:]:  # dropped in this step: free and zero at once, not when the request ends
+            assert held and w.allocator.owner_of(p) == (FREE, FREE)
+            assert not w.pool.k[:, p].any() and not w.pool.v[:, p].any(), f"page {p} was not scrubbed"
+        seq = e.seqs.get("x")
+        if seq is None:
+            break
+        held_most = max(held_most, len(seq.window_pages))
+        # what the next query can see, plus the page being filled; a prompt chunk may add BUDGET tokens more
+        assert len(seq.window_pages) <= pages_for(WINDOW - 1 + BUDGET, PAGE) + 1
+        assert seq.window_base == max(0, seq.num_computed - WINDOW + 1) // PAGE
+        if seq.num_computed > len(ids):  # decoding: the window and the page being written
+            assert len(seq.window_pages) <= pages_for(WINDOW, PAGE) + 1
+            assert len(seq.pages) == pages_for(seq.num_computed, PAGE)  # the full layer keeps every position
+    dropped = [p for p, _ in freed]
+    total = len(ids) + PARAMS.max_tokens
+    # the last step computed total - 1 positions: every page before the next query's window went as it left
+    assert len(dropped) == e.info()["window_pool"]["dropped_pages"] == (total - 1 - WINDOW + 1) // PAGE
+    assert held_most < pages_for(total, PAGE) // 3
+    assert tokens([d for d in out if d.request_id == "x"]) == keeping_every_page(windowed, monkeypatch, [ids])[0]
+    assert at_baseline(e)  # seal 8: both pools' pages back, the window pool all zero (seal 6)
+
+
+def test_batched_chunked_and_preempted_windows_equal_keeping_every_page(
+        windowed: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = [prompt(n, i) for i, n in enumerate([3, 40, 17, 90])]
+    expected = keeping_every_page(windowed, monkeypatch, prompts)
+    for pool_tokens in (1024, 128):  # 128 tokens: the 90-token prompt and the others preempt each other
+        e = make_engine(windowed, pool_tokens=pool_tokens, page_size=PAGE, budget=BUDGET)
+        preempted: list[str] = []
+        preempt = e.scheduler._preempt
+        monkeypatch.setattr(e.scheduler, "_preempt", lambda s, log=preempted, f=preempt: (log.append(s.request_id), f(s)))
+        for i, p in enumerate(prompts):
+            e.add_request(GenerateRequest(f"r{i}", p, PARAMS))
+        out = drain(e)
+        assert bool(preempted) == (pool_tokens == 128)
+        assert [tokens(out[f"r{i}"]) for i in range(4)] == expected, pool_tokens
+        assert at_baseline(e) and (pool_tokens > 128 or e.window is not None and e.window.pool.num_pages == 32)
+
+
+def test_seal5_a_window_table_naming_another_requests_page_fails_only_that_request(
+        windowed: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    a_ids, b_ids = prompt(30, 2), prompt(30, 3)
+    e = make_engine(windowed, page_size=PAGE, budget=64)
+    e.add_request(GenerateRequest("a", a_ids, PARAMS))
+    e.add_request(GenerateRequest("b", b_ids, PARAMS))
+    out = [d for _ in range(3) for d in e.step()]  # both prefilled and decoding
+    a, b = e.seqs["a"], e.seqs["b"]
+    assert a.window_pages and b.window_pages and not set(a.window_pages) & set(b.window_pages)
+    a.window_pages[-1] = b.window_pages[-1]  # a's sliding layer would read (and write) b's KV
+    while e.has_work():
+        out += e.step()
+    finals = {d.request_id: d for d in out if d.final is not None}
+    assert finals["a"].final == "failed" and finals["a"].error is not None
+    assert finals["a"].error.code == "kv_ownership_violation" and e.ownership_violations == 1
+    assert finals["b"].final == "length"
+    assert tokens([d for d in out if d.request_id == "b"]) == keeping_every_page(windowed, monkeypatch, [b_ids])[0]
+    assert at_baseline(e)
+
+
+def test_a_drop_of_pages_not_owned_is_refused_and_changes_nothing(windowed: Checkpoint) -> None:
+    arch = windowed.arch
+    w = WindowPages(arch, (WINDOW, 0), 16, PAGE, torch.float32, torch.device("cpu"), scrub=lambda pages: None)
+    owners = [w.allocator.new_owner(), w.allocator.new_owner()]
+    a, b = (SimpleNamespace(owner=o, window_pages=[], window_base=0, num_computed=0) for o in owners)
+    assert w.grow(a, 20) and w.grow(b, 20) and len(a.window_pages) == 5  # type: ignore[arg-type]
+    w.pool.k[:, b.window_pages] = 1.0
+    a.window_pages[0] = b.window_pages[0]
+    a.num_computed = 20
+    with pytest.raises(NotOwner):
+        w.drop(a)  # type: ignore[arg-type]
+    assert a.window_base == 0 and len(a.window_pages) == 5 and w.allocator.owns(b.owner, b.window_pages)
+    assert bool(w.pool.k[:, b.window_pages].all()) and w.pages_dropped == 0
+    w.allocator.check_integrity()
