@@ -76,6 +76,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="keep no prefix cache (by default full prompt pages are kept and shared read-only with "
                         "later requests of the same tenant and cache_salt)")
+    p.add_argument("--no-window-pages", action="store_true",
+                   help="keep every KV page of sliding-window layers (Mistral, Gemma 3) for the whole context; by "
+                        "default a unified worker keeps only their window, in a pool of their own, and then keeps "
+                        "no prefix cache")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="per-step token budget; longer prompts are prefilled in chunks of this size")
@@ -134,7 +138,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(path=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                           served_name=a.served_model_name, kernels=a.kernels, arithmetic=a.arithmetic),
         cache=CacheConfig(page_size=a.page_size, pool_tokens=a.kv_pool_tokens, pool_bytes=a.kv_pool_bytes,
-                          scrub=a.kv_scrub, kv_dtype=a.kv_dtype, prefix_cache=not a.no_prefix_cache),
+                          scrub=a.kv_scrub, kv_dtype=a.kv_dtype, prefix_cache=not a.no_prefix_cache,
+                          window_pages=not a.no_window_pages),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_waiting=a.max_waiting, wait_timeout_s=a.wait_timeout, fairness=a.fairness),
         seed=a.seed,

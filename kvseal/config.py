@@ -46,6 +46,9 @@ class CacheConfig:
     scrub: bool = True  # zero pages before they return to the free list (seal 6)
     kv_dtype: str = "auto"  # "auto": bfloat16 with the fast arithmetic, else the model's dtype (resolve_kv_dtype)
     prefix_cache: bool = True  # keep full prompt pages for later requests of the same tenant (seal 9)
+    # sliding-window layers keep only their window of pages, in a pool of their own (kv/window.py; a unified engine
+    # only). Such an engine keeps no prefix cache: off gives it back, every page kept for the whole context
+    window_pages: bool = True
 
     def __post_init__(self) -> None:
         _need(0 < self.page_size <= 1024 and self.page_size & (self.page_size - 1) == 0, "page_size",

@@ -79,7 +79,7 @@ class Engine:
         self.kernels, why = resolve_kernels(cfg.model.kernels, self.device.type, cfg.model.dtype, arch)
         model_window = min(arch.max_position, cfg.model.max_model_len or arch.max_position)
         self.arithmetic = resolve_arithmetic(cfg.model.arithmetic, self.kernels, why, arch, cfg.cache.page_size,
-                                             ckpt.block_types(), model_window)
+                                             ckpt.block_types())
         log.info("arithmetic: %s%s (%s)", self.arithmetic.name,
                  f" on {self.arithmetic.isa}" if self.arithmetic.isa else "", self.arithmetic.why)
         self.kv_dtype = _DTYPES[resolve_kv_dtype(cfg.cache.kv_dtype, cfg.model.dtype, self.arithmetic.fast)]
@@ -95,14 +95,14 @@ class Engine:
         # a unified engine only: a handoff moves a page as every layer's KV
         self.window: WindowPages | None = None
         ps = cfg.cache.page_size
-        if role == "unified" and not self.arithmetic.fast and split_window(self.model.windows):
+        layout = "kt" if self.arithmetic.fast else "std"
+        if role == "unified" and cfg.cache.window_pages and split_window(self.model.windows):
             sched = cfg.scheduler
             wpages = window_pool_pages(split_window(self.model.windows), ps, sched.max_num_seqs,
                                        sched.max_num_batched_tokens, num_pages)
             self.window = WindowPages(arch, self.model.windows, wpages, ps, self.kv_dtype, self.device,
-                                      scrub=self._count_scrubbed if cfg.cache.scrub else None)
-        self.pool = KVPool(arch, num_pages, ps, self.kv_dtype, self.device,
-                           layout="kt" if self.arithmetic.fast else "std",
+                                      scrub=self._count_scrubbed if cfg.cache.scrub else None, layout=layout)
+        self.pool = KVPool(arch, num_pages, ps, self.kv_dtype, self.device, layout=layout,
                            num_layers=None if self.window is None else len(self.window.full_layers))
         self.forensics: Forensics | None = None
         self.ownership_violations = 0  # seal 5 failures

@@ -134,34 +134,46 @@ class ModelRunner:
 
     def _run_fast(self, seqs: list[tuple[Sequence, int]], violations: list[Sequence], all_logits: bool) -> StepResult:
         """The fast arithmetic's batch: flat rows plus one span per sequence for the one attention call."""
-        ps = self.pool.page_size
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        spans: list[int] = []  # 5 per sequence: first row, rows, first position, offset in tables, pages
-        tables: list[int] = []
         logits_rows: list[int] = []
         sampled: list[Sequence] = []
         for seq, n in seqs:
             start, end = seq.num_computed, seq.num_computed + n
-            npages = pages_for(end, ps)
-            spans += (len(ids), n, start, len(tables), npages)
-            tables += seq.pages[:npages]
             ids += seq.token_slice(start, end)
             positions += range(start, end)
-            pages = seq.pages
-            slots += (pages[p // ps] * ps + p % ps for p in range(start, end))
             if end == seq.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(seq)
         if all_logits:
             logits_rows = list(range(len(ids)))
-        meta = AttentionMeta(slot_mapping=torch.tensor(slots, dtype=torch.long), decode_rows=None,
-                             decode_pages=None, decode_mask=None, decode_kv_lens=None, prefills=[],
-                             spans=torch.tensor(spans, dtype=torch.long).view(-1, 5),
-                             tables=torch.tensor(tables, dtype=torch.long))
+        meta = self._spans(seqs, lambda s: (s.pages, 0))
+        if self.window is not None:
+            meta.window = self._spans(seqs, lambda s: (s.window_pages, s.window_base))
         logits = self.model.forward(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                                    self.pool.k, self.pool.v, meta, torch.tensor(logits_rows, dtype=torch.long))
+                                    self.k_layers, self.v_layers, meta, torch.tensor(logits_rows, dtype=torch.long))
         for seq, n in seqs:
             seq.num_computed += n
         return StepResult(sampled, logits if sampled or all_logits else None, violations)
+
+    def _spans(self, seqs: list[tuple[Sequence, int]],
+               table_of: Callable[[Sequence], tuple[list[int], int]]) -> AttentionMeta:
+        """The fast attention's slots, spans and tables for one pool (table_of and positions as in _meta)."""
+        ps = self.pool.page_size
+        slots: list[int] = []
+        spans: list[int] = []  # 5 per sequence: first row, rows, first position, offset in tables, pages
+        tables: list[int] = []
+        row0 = 0
+        for seq, n in seqs:
+            table, base = table_of(seq)
+            off = base * ps
+            start, end = seq.num_computed - off, seq.num_computed + n - off
+            npages = pages_for(end, ps)
+            spans += (row0, n, start, len(tables), npages)
+            tables += table[:npages]
+            slots += (table[p // ps] * ps + p % ps for p in range(start, end))
+            row0 += n
+        return AttentionMeta(slot_mapping=torch.tensor(slots, dtype=torch.long), decode_rows=None,
+                             decode_pages=None, decode_mask=None, decode_kv_lens=None, prefills=[],
+                             spans=torch.tensor(spans, dtype=torch.long).view(-1, 5),
+                             tables=torch.tensor(tables, dtype=torch.long))

@@ -19,8 +19,7 @@ when it ends. Preemption and the end of a request free the rest (release), whate
 Sizing: the window pool holds max_num_seqs sequences at W plus one chunk each, never more pages than the main pool,
 so anything that fit one pool of every layer fits both; the memory of the pages it does not need is not allocated.
 Not split (every layer in the main pool, as before): the prefill and decode roles (the handoff moves a page as every
-layer's KV, docs/architecture.md), the fast arithmetic (it runs no window), and models whose layers slide by
-different windows.
+layer's KV, docs/architecture.md), and models whose layers slide by different windows.
 """
 
 from __future__ import annotations
@@ -53,7 +52,8 @@ def window_pool_pages(window: int, page_size: int, max_num_seqs: int, chunk: int
 
 class WindowPages:
     def __init__(self, arch: ModelArch, windows: tuple[int, ...], num_pages: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device, scrub: Callable[[Pages[int]], None] | None) -> None:
+                 dtype: torch.dtype, device: torch.device, scrub: Callable[[Pages[int]], None] | None,
+                 layout: str = "std") -> None:
         """windows: per layer, the window that matters (LlamaModel.windows); split_window(windows) > 0.
         scrub: called with the pages dropped or freed, after this pool zeroed them (None: no scrubbing)."""
         self.window = split_window(windows)
@@ -62,7 +62,7 @@ class WindowPages:
         self.layers = tuple(i for i, w in enumerate(windows) if w)  # in the window pool, in this order
         self.full_layers = tuple(i for i, w in enumerate(windows) if not w)  # in the main pool, in this order
         self.page_size = page_size
-        self.pool = KVPool(arch, num_pages, page_size, dtype, device, num_layers=len(self.layers))
+        self.pool = KVPool(arch, num_pages, page_size, dtype, device, layout, num_layers=len(self.layers))
         self._on_scrub = scrub
         self.allocator = PageAllocator(num_pages, scrubber=self._scrub if scrub is not None else None)
         self.pages_dropped = 0  # pages freed because they left a sequence's window (for /info)
@@ -73,7 +73,7 @@ class WindowPages:
         self._on_scrub(pages)
 
     def layer_caches(self, main: KVPool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per model layer, the K and V cache it reads: (P, S, KVH, D) views of the main pool or this one."""
+        """Per model layer, the K and V cache it reads: views of one layer of the main pool or of this one."""
         where = {layer: (main, j) for j, layer in enumerate(self.full_layers)}
         where.update({layer: (self.pool, j) for j, layer in enumerate(self.layers)})
         order = [where[i] for i in range(len(where))]

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvseal.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.kv.allocator import FREE, NotOwner, pages_for
@@ -31,15 +32,15 @@ def windowed() -> Checkpoint:
     return dataclasses.replace(ck, arch=dataclasses.replace(ck.arch, layer_windows=(WINDOW, 0)))
 
 
-def keeping_every_page(ck: Checkpoint, monkeypatch: pytest.MonkeyPatch, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy tokens of an engine whose sliding layer keeps every page (one pool, the window only masked)."""
-    with monkeypatch.context() as m:
-        m.setattr("kvseal.engine.engine.split_window", lambda windows: 0)
-        e = make_engine(ck, page_size=PAGE, budget=BUDGET)
-        assert e.window is None
-        for i, p in enumerate(prompts):
-            e.add_request(GenerateRequest(f"r{i}", p, PARAMS))
-        out = drain(e)
+def keeping_every_page(ck: Checkpoint, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of an engine whose sliding layer keeps every page (--no-window-pages: one pool, the window only
+    masked, as before kv/window.py)."""
+    e = Engine(EngineConfig(cache=CacheConfig(page_size=PAGE, pool_tokens=1024, window_pages=False),
+                            scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET)), ck)
+    assert e.window is None and e.model.windows == (WINDOW, 0)
+    for i, p in enumerate(prompts):
+        e.add_request(GenerateRequest(f"r{i}", p, PARAMS))
+    out = drain(e)
     return [tokens(out[f"r{i}"]) for i in range(len(prompts))]
 
 
@@ -97,14 +98,14 @@ def test_a_long_sequence_keeps_only_its_window_and_each_dropped_page_is_scrubbed
     # the last step computed total - 1 positions: every page before the next query's window went as it left
     assert len(dropped) == e.info()["window_pool"]["dropped_pages"] == (total - 1 - WINDOW + 1) // PAGE
     assert held_most < pages_for(total, PAGE) // 3
-    assert tokens([d for d in out if d.request_id == "x"]) == keeping_every_page(windowed, monkeypatch, [ids])[0]
+    assert tokens([d for d in out if d.request_id == "x"]) == keeping_every_page(windowed, [ids])[0]
     assert at_baseline(e)  # seal 8: both pools' pages back, the window pool all zero (seal 6)
 
 
 def test_batched_chunked_and_preempted_windows_equal_keeping_every_page(
         windowed: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = [prompt(n, i) for i, n in enumerate([3, 40, 17, 90])]
-    expected = keeping_every_page(windowed, monkeypatch, prompts)
+    expected = keeping_every_page(windowed, prompts)
     for pool_tokens in (1024, 128):  # 128 tokens: the 90-token prompt and the others preempt each other
         e = make_engine(windowed, pool_tokens=pool_tokens, page_size=PAGE, budget=BUDGET)
         preempted: list[str] = []
@@ -118,8 +119,7 @@ def test_batched_chunked_and_preempted_windows_equal_keeping_every_page(
         assert at_baseline(e) and (pool_tokens > 128 or e.window is not None and e.window.pool.num_pages == 32)
 
 
-def test_seal5_a_window_table_naming_another_requests_page_fails_only_that_request(
-        windowed: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_seal5_a_window_table_naming_another_requests_page_fails_only_that_request(windowed: Checkpoint) -> None:
     a_ids, b_ids = prompt(30, 2), prompt(30, 3)
     e = make_engine(windowed, page_size=PAGE, budget=64)
     e.add_request(GenerateRequest("a", a_ids, PARAMS))
@@ -134,7 +134,7 @@ def test_seal5_a_window_table_naming_another_requests_page_fails_only_that_reque
     assert finals["a"].final == "failed" and finals["a"].error is not None
     assert finals["a"].error.code == "kv_ownership_violation" and e.ownership_violations == 1
     assert finals["b"].final == "length"
-    assert tokens([d for d in out if d.request_id == "b"]) == keeping_every_page(windowed, monkeypatch, [b_ids])[0]
+    assert tokens([d for d in out if d.request_id == "b"]) == keeping_every_page(windowed, [b_ids])[0]
     assert at_baseline(e)
 
 
