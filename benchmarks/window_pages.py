@@ -22,6 +22,8 @@ from benchmarks import cpu_record
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
+from kvseal.kv.allocator import pages_for
+from kvseal.kv.window import split_pages, split_window
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.loader import load_checkpoint
 
@@ -40,6 +42,8 @@ def run(ck: Checkpoint, prompt: list[int], new: int, window_pages: bool, arithme
     while e.has_work():
         for d in e.step():
             out += d.token_ids
+            if d.error is not None:
+                raise SystemExit(f"the request failed: {d.error.message}")
         seq = e.seqs.get("long")
         if seq is not None:
             held = (len(seq.pages), len(seq.window_pages))
@@ -86,10 +90,20 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"  window pages {'on ' if r['window_pages'] else 'off'}: main pool {r['pages_main']} pages x "
               f"{r['layers_main']} layers, window pool {r['pages_window']} pages x {r['layers_window']} layers "
-              f"(most at once {r['most_pages_window']}, dropped {r['pages_dropped']}); KV held "
+              f"(most after a step {r['most_pages_window']}, dropped {r['pages_dropped']}); KV held "
               f"{r['bytes_held'] / 2**20:.1f} MiB; pools {r['pool_bytes'] / 2**20:.1f} MiB; baseline after: "
               f"{r['baseline']}")
     print(f"  same tokens: {kept['tokens'] == window['tokens']}; KV held {window['bytes_held'] / kept['bytes_held']:.3f}x")
+    # the pool a worker gets by default (2 x the model's window), in the same bytes, split as the engine splits it
+    windows = ck.arch.windows(ck.arch.max_position)
+    slid = sum(1 for w in windows if w)
+    sched = SchedulerConfig()
+    pages = 2 * ck.arch.max_position // a.page_size
+    main, wpages = split_pages(pages, ck.arch.num_layers - slid, slid, split_window(windows), a.page_size,
+                               sched.max_num_seqs, sched.max_num_batched_tokens,
+                               sched.max_num_seqs * pages_for(ck.arch.max_position, a.page_size))
+    print(f"  default pool ({2 * ck.arch.max_position} tokens of every layer, {sched.max_num_seqs} sequences): main "
+          f"pool {main} pages, window pool {wpages} pages in the same bytes: {main / pages:.2f}x the positions")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"cpu": cpu_record.collect(), "rows": rows}, f, indent=1, default=str)

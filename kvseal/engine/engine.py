@@ -35,10 +35,10 @@ from kvseal.errors import (
 from kvseal.kernels.arithmetic import resolve_arithmetic
 from kvseal.kernels.build import resolve as resolve_kernels
 from kvseal.kernels.memory import keep_freed_pages
-from kvseal.kv.allocator import PageAllocator
+from kvseal.kv.allocator import PageAllocator, pages_for
 from kvseal.kv.pool import KVPool, pool_num_pages
 from kvseal.kv.prefix_cache import PrefixCache, namespace_id, namespace_root, page_keys
-from kvseal.kv.window import WindowPages, split_window, window_pool_pages
+from kvseal.kv.window import WindowPages, split_pages, split_window
 from kvseal.ledger.forensics import Forensics
 from kvseal.ledger.store import Ledger
 from kvseal.lifecycle import FinishReason, State
@@ -97,9 +97,11 @@ class Engine:
         ps = cfg.cache.page_size
         layout = "kt" if self.arithmetic.fast else "std"
         if role == "unified" and cfg.cache.window_pages and split_window(self.model.windows):
-            sched = cfg.scheduler
-            wpages = window_pool_pages(split_window(self.model.windows), ps, sched.max_num_seqs,
-                                       sched.max_num_batched_tokens, num_pages)
+            sched, windowed = cfg.scheduler, sum(1 for w in self.model.windows if w)
+            num_pages, wpages = split_pages(num_pages, arch.num_layers - windowed, windowed,
+                                            split_window(self.model.windows), ps, sched.max_num_seqs,
+                                            sched.max_num_batched_tokens,
+                                            sched.max_num_seqs * pages_for(model_window, ps))
             self.window = WindowPages(arch, self.model.windows, wpages, ps, self.kv_dtype, self.device,
                                       scrub=self._count_scrubbed if cfg.cache.scrub else None, layout=layout)
         self.pool = KVPool(arch, num_pages, ps, self.kv_dtype, self.device, layout=layout,

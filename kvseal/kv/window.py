@@ -16,8 +16,9 @@ computed num_computed positions, every page that ends before num_computed - W + 
 allocator (owner checked, scrubbed: seal 6; back on the free list: seal 8), exactly as a request's pages are freed
 when it ends. Preemption and the end of a request free the rest (release), whatever the table says.
 
-Sizing: the window pool holds max_num_seqs sequences at W plus one chunk each, never more pages than the main pool,
-so anything that fit one pool of every layer fits both; the memory of the pages it does not need is not allocated.
+Sizing (split_pages): the bytes of the pool as configured (--kv-pool-tokens / --kv-pool-bytes, pages of every layer)
+are shared: the window pool gets what max_num_seqs running sequences can hold at once, the main pool the rest, so it
+holds more positions than configured (a longer served window, or more long requests at once) in the same memory.
 Not split (every layer in the main pool, as before): the prefill and decode roles (the handoff moves a page as every
 layer's KV, docs/architecture.md), and models whose layers slide by different windows.
 """
@@ -44,10 +45,21 @@ def split_window(windows: tuple[int, ...]) -> int:
     return sizes.pop() if len(sizes) == 1 else 0
 
 
-def window_pool_pages(window: int, page_size: int, max_num_seqs: int, chunk: int, main_pages: int) -> int:
-    """Pages that hold max_num_seqs sequences' windows plus one chunk each (at most the main pool's pages)."""
-    per_seq = pages_for(window - 1 + chunk, page_size) + 1
-    return max(1, min(main_pages, max_num_seqs * per_seq))
+def split_pages(pages: int, full_layers: int, window_layers: int, window: int, page_size: int, max_num_seqs: int,
+                budget: int, most_pages: int) -> tuple[int, int]:
+    """(main pool pages, window pool pages) in the bytes of `pages` pages of every layer (the pool as configured).
+
+    The window pool holds what running sequences can hold at once: after a step each keeps at most
+    pages_for(window - 1) + 1 pages, and a step adds at most one page more per sequence plus the pages of its `budget`
+    tokens. The main pool takes the rest of the bytes: never fewer pages than configured, never more than
+    `most_pages` (every sequence at the longest context; all of them when no layer is full, as in Mistral)."""
+    wpages = min(pages, max_num_seqs * (pages_for(window - 1, page_size) + 2) + pages_for(budget, page_size))
+    if full_layers == 0:
+        main = most_pages
+    else:
+        main = (pages * (full_layers + window_layers) - wpages * window_layers) // full_layers
+    main = max(pages, min(main, most_pages))
+    return main, min(wpages, main)
 
 
 class WindowPages:

@@ -16,7 +16,7 @@ from kvseal.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.kv.allocator import FREE, NotOwner, pages_for
-from kvseal.kv.window import WindowPages, split_window, window_pool_pages
+from kvseal.kv.window import WindowPages, split_pages, split_window
 from kvseal.model.checkpoint import Checkpoint
 
 from .conftest import make_engine, tiny_checkpoint
@@ -32,11 +32,15 @@ def windowed() -> Checkpoint:
     return dataclasses.replace(ck, arch=dataclasses.replace(ck.arch, layer_windows=(WINDOW, 0)))
 
 
+def engine(ck: Checkpoint, pool_tokens: int = 1024, max_num_seqs: int = 64, window_pages: bool = True) -> Engine:
+    return Engine(EngineConfig(cache=CacheConfig(page_size=PAGE, pool_tokens=pool_tokens, window_pages=window_pages),
+                               scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=BUDGET)), ck)
+
+
 def keeping_every_page(ck: Checkpoint, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy tokens of an engine whose sliding layer keeps every page (--no-window-pages: one pool, the window only
     masked, as before kv/window.py)."""
-    e = Engine(EngineConfig(cache=CacheConfig(page_size=PAGE, pool_tokens=1024, window_pages=False),
-                            scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET)), ck)
+    e = engine(ck, window_pages=False)
     assert e.window is None and e.model.windows == (WINDOW, 0)
     for i, p in enumerate(prompts):
         e.add_request(GenerateRequest(f"r{i}", p, PARAMS))
@@ -55,8 +59,24 @@ def at_baseline(e: Engine) -> bool:
 def test_split_window() -> None:
     assert split_window((16, 0, 16, 0)) == 16 and split_window((16, 16)) == 16
     assert split_window((0, 0)) == 0 and split_window((16, 32)) == 0  # nothing slides / two windows: not split
-    assert window_pool_pages(16, 8, 2, 32, main_pages=1000) == 2 * (pages_for(47, 8) + 1)
-    assert window_pool_pages(16, 8, 64, 32, main_pages=100) == 100  # never more than the main pool
+
+
+
+@pytest.mark.parametrize("full, slid, window, seqs, budget, pages", [
+    (3, 15, 512, 64, 512, 4096),  # Gemma 3 270M's layers with the default pool (2 x 32768 tokens): 3.3x positions
+    (1, 1, 8, 64, 16, 32),  # a window pool wanted larger than the whole pool: the pool as it was, split in two
+    (2, 2, 16, 4, 32, 1000)])
+def test_the_split_keeps_the_configured_bytes_and_never_fewer_positions(
+        full: int, slid: int, window: int, seqs: int, budget: int, pages: int) -> None:
+    most = 10**6
+    main, wpages = split_pages(pages, full, slid, window, 16, seqs, budget, most)
+    assert main * full + wpages * slid <= pages * (full + slid)  # no more memory than one pool of every layer
+    assert main >= pages and wpages <= main
+    # what the running sequences can hold at once fits, or the window pool is as large as the pool was
+    assert wpages == min(pages, seqs * (pages_for(window - 1, 16) + 2) + pages_for(budget, 16))
+    if full == 3:
+        assert (main, wpages) == (13536, 2208)
+    assert split_pages(pages, 0, full + slid, window, 16, seqs, budget, most)[0] == most  # Mistral: no full layer
 
 
 def test_a_long_sequence_keeps_only_its_window_and_each_dropped_page_is_scrubbed_and_freed(
@@ -106,8 +126,10 @@ def test_batched_chunked_and_preempted_windows_equal_keeping_every_page(
         windowed: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = [prompt(n, i) for i, n in enumerate([3, 40, 17, 90])]
     expected = keeping_every_page(windowed, prompts)
-    for pool_tokens in (1024, 128):  # 128 tokens: the 90-token prompt and the others preempt each other
-        e = make_engine(windowed, pool_tokens=pool_tokens, page_size=PAGE, budget=BUDGET)
+    # 128 tokens and 4 sequences at most: a window pool of 4 x 4 + 4 pages (what they can hold at once), a main pool
+    # of 44 pages (the bytes left), where the 90-token prompt and the others preempt each other
+    for pool_tokens, seqs in ((1024, 64), (128, 4)):
+        e = engine(windowed, pool_tokens=pool_tokens, max_num_seqs=seqs)
         preempted: list[str] = []
         preempt = e.scheduler._preempt
         monkeypatch.setattr(e.scheduler, "_preempt", lambda s, log=preempted, f=preempt: (log.append(s.request_id), f(s)))
@@ -115,8 +137,10 @@ def test_batched_chunked_and_preempted_windows_equal_keeping_every_page(
             e.add_request(GenerateRequest(f"r{i}", p, PARAMS))
         out = drain(e)
         assert bool(preempted) == (pool_tokens == 128)
+        assert e.window is not None and (e.pool.num_pages, e.window.pool.num_pages) == ((256, 256) if seqs == 64
+                                                                                         else (44, 20))
         assert [tokens(out[f"r{i}"]) for i in range(4)] == expected, pool_tokens
-        assert at_baseline(e) and (pool_tokens > 128 or e.window is not None and e.window.pool.num_pages == 32)
+        assert at_baseline(e)
 
 
 def test_seal5_a_window_table_naming_another_requests_page_fails_only_that_request(windowed: Checkpoint) -> None:
