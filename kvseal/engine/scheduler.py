@@ -165,13 +165,19 @@ class Scheduler:
         return seq.num_computed
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Pages for seq's positions up to num_tokens in every table it has; False (nothing more held) if not free now."""
         need = pages_for(num_tokens, self.page_size) - len(seq.pages)
+        new: list[int] = []
         if need > 0:
             try:
-                seq.pages.extend(self.allocator.allocate(seq.owner, need))
+                new = self.allocator.allocate(seq.owner, need)
             except OutOfPages:
                 return False
-        return self.window is None or self.window.grow(seq, num_tokens)
+        if self.window is not None and not self.window.grow(seq, num_tokens):
+            self.allocator.free(seq.owner, new)  # both tables grow or neither: seq holds nothing more while it waits
+            return False
+        seq.pages.extend(new)
+        return True
 
     def drop_out_of_window(self, seq: Sequence) -> None:
         """After seq's step: its sliding layers' pages that no later query sees are scrubbed and freed."""

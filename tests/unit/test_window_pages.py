@@ -176,3 +176,21 @@ def test_a_drop_of_pages_not_owned_is_refused_and_changes_nothing(windowed: Chec
     assert a.window_base == 0 and len(a.window_pages) == 5 and w.allocator.owns(b.owner, b.window_pages)
     assert bool(w.pool.k[:, b.window_pages].all()) and w.pages_dropped == 0
     w.allocator.check_integrity()
+
+
+def test_a_sequence_the_window_pool_cannot_take_now_holds_no_main_page_while_it_waits(windowed: Checkpoint) -> None:
+    e = engine(windowed)
+    w = e.window
+    assert w is not None
+    squatter = w.allocator.new_owner()
+    held = w.allocator.allocate(squatter, w.allocator.num_free)  # the window pool is full
+    e.add_request(GenerateRequest("x", prompt(20, 4), PARAMS))
+    for _ in range(3):
+        assert e.step() == []
+    seq = e.seqs["x"]
+    assert seq in e.scheduler.waiting and not seq.pages and not seq.window_pages
+    assert e.allocator.num_free == e.pool.num_pages  # nothing half-held in the main pool
+    w.allocator.free(squatter, held)
+    out = drain(e)
+    assert out["x"][-1].final == "length" and tokens(out["x"]) == keeping_every_page(windowed, [prompt(20, 4)])[0]
+    assert at_baseline(e)
