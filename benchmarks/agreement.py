@@ -82,6 +82,8 @@ def score(e: Engine, ids: list[int], chunk: int = 512) -> list[float]:
     seq = Sequence(GenerateRequest("score", ids, SamplingParams(max_tokens=1)), e.allocator.new_owner(),
                    IncrementalDecoder(e.tokenizer), 0)
     seq.pages = e.allocator.allocate(seq.owner, pages_for(len(ids), e.pool.page_size))
+    if e.window is not None and not e.window.grow(seq, len(ids)):  # sliding layers' own pool (kvseal/kv/window.py)
+        raise RuntimeError("the window pool cannot hold the scored text: raise the pool")
     lps: list[float] = []
     try:
         for start in range(0, len(ids), chunk):
@@ -90,11 +92,14 @@ def score(e: Engine, ids: list[int], chunk: int = 512) -> list[float]:
             batch.add(seq, n)
             res = e.runner.run(batch, all_logits=True)
             assert res.logits is not None and not res.violations
+            e.scheduler.drop_out_of_window(seq)
             logp = torch.log_softmax(res.logits.double(), -1)
             targets = ids[start + 1 : start + n + 1]
             lps += logp[torch.arange(len(targets)), torch.tensor(targets)].tolist()
     finally:
         e.allocator.free_all(seq.owner.key)
+        if e.window is not None:
+            e.window.release(seq)
     return lps
 
 

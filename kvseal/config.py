@@ -75,6 +75,12 @@ class CacheConfig:
     prefix_cache: bool = opt(True, "keep no prefix cache (by default full prompt pages are kept and shared "
                              "read-only with later requests of the same tenant and cache_salt; seal 9)",
                              flag="--no-prefix-cache", action="store_false", dest="prefix_cache")
+    # sliding-window layers keep only their window of pages, in a pool of their own (kv/window.py; a unified engine
+    # only). Such an engine keeps no prefix cache: off gives it back, every page kept for the whole context
+    window_pages: bool = opt(True, "keep every KV page of sliding-window layers (Mistral, Gemma 3) for the whole "
+                             "context; by default a unified worker keeps only their window, in a pool of their own, "
+                             "and then keeps no prefix cache", flag="--no-window-pages", action="store_false",
+                             dest="window_pages")
 
     def __post_init__(self) -> None:
         _need(0 < self.page_size <= 1024 and self.page_size & (self.page_size - 1) == 0, "page_size",

@@ -35,9 +35,10 @@ from kvseal.errors import (
 from kvseal.kernels.arithmetic import resolve_arithmetic
 from kvseal.kernels.build import resolve as resolve_kernels
 from kvseal.kernels.memory import keep_freed_pages
-from kvseal.kv.allocator import PageAllocator
+from kvseal.kv.allocator import PageAllocator, pages_for
 from kvseal.kv.pool import KVPool, pool_num_pages
 from kvseal.kv.prefix_cache import PrefixCache, namespace_id, namespace_root, page_keys
+from kvseal.kv.window import WindowPages, split_pages, split_window
 from kvseal.ledger.forensics import Forensics
 from kvseal.ledger.store import Ledger
 from kvseal.lifecycle import FinishReason, State
@@ -78,7 +79,7 @@ class Engine:
         self.kernels, why = resolve_kernels(cfg.model.kernels, self.device.type, cfg.model.dtype, arch)
         model_window = min(arch.max_position, cfg.model.max_model_len or arch.max_position)
         self.arithmetic = resolve_arithmetic(cfg.model.arithmetic, self.kernels, why, arch, cfg.cache.page_size,
-                                             ckpt.block_types(), model_window)
+                                             ckpt.block_types())
         log.info("arithmetic: %s%s (%s)", self.arithmetic.name,
                  f" on {self.arithmetic.isa}" if self.arithmetic.isa else "", self.arithmetic.why)
         self.kv_dtype = _DTYPES[resolve_kv_dtype(cfg.cache.kv_dtype, cfg.model.dtype, self.arithmetic.fast)]
@@ -89,22 +90,37 @@ class Engine:
         self.model = LlamaModel(ckpt, self.dtype, self.device, native=self.kernels == "native",
                                 fast=self.arithmetic.fast, max_model_len=model_window)
         num_pages = pool_num_pages(arch, cfg.cache, self.kv_dtype, default_tokens=2 * model_window)
-        self.pool = KVPool(arch, num_pages, cfg.cache.page_size, self.kv_dtype, self.device,
-                           layout="kt" if self.arithmetic.fast else "std")
-        self.forensics: Forensics | None = None
         self.pages_scrubbed = 0  # seal 6, for /info and /metrics
+        # sliding-window layers in a pool of their own that keeps only each sequence's window (kv/window.py);
+        # a unified engine only: a handoff moves a page as every layer's KV
+        self.window: WindowPages | None = None
+        ps = cfg.cache.page_size
+        layout = "kt" if self.arithmetic.fast else "std"
+        if role == "unified" and cfg.cache.window_pages and split_window(self.model.windows):
+            sched, windowed = cfg.scheduler, sum(1 for w in self.model.windows if w)
+            num_pages, wpages = split_pages(num_pages, arch.num_layers - windowed, windowed,
+                                            split_window(self.model.windows), ps, sched.max_num_seqs,
+                                            sched.max_num_batched_tokens,
+                                            sched.max_num_seqs * pages_for(model_window, ps))
+            self.window = WindowPages(arch, self.model.windows, wpages, ps, self.kv_dtype, self.device,
+                                      scrub=self._count_scrubbed if cfg.cache.scrub else None, layout=layout)
+        self.pool = KVPool(arch, num_pages, ps, self.kv_dtype, self.device, layout=layout,
+                           num_layers=None if self.window is None else len(self.window.full_layers))
+        self.forensics: Forensics | None = None
         self.ownership_violations = 0  # seal 5 failures
         self.allocator = PageAllocator(num_pages, scrubber=self._scrub if cfg.cache.scrub else None)
         self.ledger = Ledger(cfg.ledger.path) if cfg.ledger.path else None
         if self.ledger is not None:
             self.forensics = Forensics(self.ledger, self.allocator, cfg.cache.page_size, role)
-        # decode workers keep no prefix cache: prefill computes every prompt (see docs/architecture.md)
-        self.prefix_cache = PrefixCache(self.allocator, enabled=cfg.cache.prefix_cache and role != "decode")
+        # decode workers keep no prefix cache: prefill computes every prompt (see docs/architecture.md); nor does an
+        # engine whose sliding layers drop their pages: a cached prefix would need their last window too
+        self.prefix_cache = PrefixCache(self.allocator, enabled=cfg.cache.prefix_cache and role != "decode"
+                                        and self.window is None)
         self.kv_layout = self.pool.layout_name
         # The served window: what the model supports, the operator allows, and the pool can hold.
         self.context_window = min(model_window, self.pool.capacity_tokens)
-        self.scheduler = Scheduler(cfg.scheduler, self.allocator, cfg.cache.page_size, self.prefix_cache)
-        self.runner = ModelRunner(self.model, self.pool, self.allocator)
+        self.scheduler = Scheduler(cfg.scheduler, self.allocator, cfg.cache.page_size, self.prefix_cache, self.window)
+        self.runner = ModelRunner(self.model, self.pool, self.allocator, self.window)
         self.grammars = Grammars(self.tokenizer, arch.vocab_size, cfg.grammar)  # response_format (structured.py)
         self.seqs: dict[str, Sequence] = {}
         # admitted, holding no pages (decode: verified, holding its KV), waiting for their grammar to compile:
@@ -123,6 +139,9 @@ class Engine:
         self.pages_scrubbed += len(pages)
         if self.forensics is not None:
             self.forensics.scrubbed(pages)
+
+    def _count_scrubbed(self, pages: Pages[int]) -> None:  # the window pool's pages (it zeroed them itself)
+        self.pages_scrubbed += len(pages)
 
     # -- what this engine is -------------------------------------------------------------------------
     def info(self) -> dict[str, object]:
@@ -151,6 +170,10 @@ class Engine:
             "arithmetic_isa": self.arithmetic.isa or None,
             "kv_bytes_per_token": self.pool.bytes_per_token,
             "kv_scrub": self.cfg.cache.scrub,
+            # the sliding layers' own pool (kv/window.py): their window, pages, free pages, pages dropped so far
+            "window_pool": None if self.window is None else {
+                "window": self.window.window, "layers": len(self.window.layers), "pages": self.window.pool.num_pages,
+                "free_pages": self.window.allocator.num_free, "dropped_pages": self.window.pages_dropped},
             "device": str(self.device),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -303,6 +326,7 @@ class Engine:
                     continue
                 if self.forensics is not None:
                     self.forensics.after_step(seq, n)
+                self.scheduler.drop_out_of_window(seq)  # sliding layers' pages no later query sees (kv/window.py)
                 # the step that completed the prompt: its full pages are final (never written again) -> cache
                 if seq.cache_keys and seq.num_computed - n < len(seq.prompt_ids) <= seq.num_computed:
                     self._cache_prompt(seq)

@@ -28,6 +28,7 @@ from kvseal.engine.fairness import FairShare
 from kvseal.engine.sequence import Sequence
 from kvseal.kv.allocator import OutOfPages, PageAllocator, pages_for
 from kvseal.kv.prefix_cache import PrefixCache
+from kvseal.kv.window import WindowPages
 
 
 @dataclass
@@ -48,8 +49,9 @@ class Batch:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, page_size: int,
-                 cache: PrefixCache | None = None) -> None:
+                 cache: PrefixCache | None = None, window: WindowPages | None = None) -> None:
         self.cfg = cfg
+        self.window = window  # the sliding layers' own pages (kv/window.py); None: every layer in one pool
         self.allocator = allocator
         self.page_size = page_size
         self.cache = cache if cache is not None else PrefixCache(allocator, enabled=False)
@@ -163,14 +165,25 @@ class Scheduler:
         return seq.num_computed
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Pages for seq's positions up to num_tokens in every table it has; False (nothing more held) if not free
+        now."""
         need = pages_for(num_tokens, self.page_size) - len(seq.pages)
-        if need <= 0:
-            return True
-        try:
-            seq.pages.extend(self.allocator.allocate(seq.owner, need))
-        except OutOfPages:
+        new: list[int] = []
+        if need > 0:
+            try:
+                new = self.allocator.allocate(seq.owner, need)
+            except OutOfPages:
+                return False
+        if self.window is not None and not self.window.grow(seq, num_tokens):
+            self.allocator.free(seq.owner, new)  # both tables grow or neither: seq holds nothing more while it waits
             return False
+        seq.pages.extend(new)
         return True
+
+    def drop_out_of_window(self, seq: Sequence) -> None:
+        """After seq's step: its sliding layers' pages that no later query sees are scrubbed and freed."""
+        if self.window is not None and self.window.drop(seq):
+            self.last_freed = time.monotonic()
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -187,4 +200,6 @@ class Scheduler:
         self.cache.release(seq.owner.key)
         self.allocator.free_all(seq.owner.key)
         seq.pages = []
+        if self.window is not None:
+            self.window.release(seq)
         self.last_freed = time.monotonic()

@@ -5,6 +5,8 @@ step feeds all_ids[num_computed : num_computed + n]; when that reaches num_token
 give the next token. Prefill, chunked prefill, decode and recompute-after-preemption are all this one rule.
 A prefix-cache hit is the same rule too: the cached pages come first in `pages` (held, read-only) and
 num_computed starts at the end of them; every page written from there on is the sequence's own.
+With a window pool (kv/window.py) the sliding layers' KV is in window_pages, which hold positions from
+window_base * page_size on: the pages before it left the window and were dropped.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Sequence:
         self.life = Lifecycle(req.request_id)
         self.owner = owner
         self.pages: list[int] = []
+        self.window_pages: list[int] = []  # the sliding layers' pages (kv/window.py), from page window_base on
+        self.window_base = 0
         self.num_computed = 0
         self.output_ids: list[int] = []
         self.decoder = decoder

@@ -10,6 +10,10 @@
          float32 or bfloat16 KV in place through the page tables, keys stored transposed per page. Both are
          batch invariant: a request's tokens do not depend on what shares its steps or how its prompt was
          chunked. Agreement with the exact set is measured by `python -m benchmarks.agreement`.
+         Qwen3, Gemma 3 and Mistral layers run op by op (model/llama.py: q/k norms, sandwich norms and GeGLU in the
+         native float32 ops); a sliding-window layer's attention is a per-sequence torch softmax over its window's
+         pages (model/attention.py, window_attention_kt: the C attention has no window), not the C kernel's fixed
+         order, so those layers do not promise the same bits under another chunking of the prompt.
   auto   fast where it can run, else exact (the default; the reason is logged).
 
 The resolved name ("fast/int8", "exact/native" or "exact/torch") and the instruction set are reported in /info
@@ -43,27 +47,11 @@ class Arithmetic:
         return "fast/int8" if self.fast else f"exact/{self.kernels}"
 
 
-def fast_gaps(arch: ModelArch, served_len: int) -> str:
-    """What of this architecture the fast arithmetic does not compute ("" when it runs it all): its layers are
-    plain Llama/Qwen2 ones, its attention has no sliding window."""
-    windows = sorted({w for w in arch.windows(served_len) if w})
-    gaps = [what for what, has in (
-        ("q/k norms", arch.qk_norm), ("sandwich norms", arch.sandwich_norms), (arch.mlp_act, arch.mlp_act != "silu"),
-        ("scaled embeddings", arch.embed_scale is not None), ("a query scale", arch.attn_scalar is not None),
-        ("a local rope base", arch.local_rope_theta is not None), ("a logit softcap", arch.final_softcap is not None),
-        (f"sliding windows {windows} shorter than the {served_len} positions served", bool(windows))) if has]
-    return ", ".join(gaps)
-
-
-def fast_blockers(kernels: str, arch: ModelArch, page_size: int, block_types: dict[int, str] | None = None,
-                  served_len: int | None = None) -> list[str]:
+def fast_blockers(kernels: str, arch: ModelArch, page_size: int, block_types: dict[int, str] | None = None
+                  ) -> list[str]:
     """Why the fast arithmetic cannot run here (empty when it can). block_types: the GGML types (id -> name) the
-    checkpoint keeps as blocks (Checkpoint.block_types); served_len: the most positions served (None: the model's
-    own window)."""
+    checkpoint keeps as blocks (Checkpoint.block_types). Every architecture's layers run (model/llama.py)."""
     reasons = []
-    gaps = fast_gaps(arch, served_len or arch.max_position)
-    if gaps:
-        reasons.append(f"it does not compute {arch.family}'s {gaps} (exact does)")
     from kvseal.kernels.ops import BLOCKS
 
     missing = sorted(name for t, name in (block_types or {}).items() if t not in BLOCKS)
@@ -81,15 +69,14 @@ def fast_blockers(kernels: str, arch: ModelArch, page_size: int, block_types: di
 
 
 def resolve_arithmetic(requested: str, kernels: str, kernels_why: str, arch: ModelArch,
-                       page_size: int, block_types: dict[int, str] | None = None,
-                       served_len: int | None = None) -> Arithmetic:
+                       page_size: int, block_types: dict[int, str] | None = None) -> Arithmetic:
     """The arithmetic for --arithmetic `requested`, given the resolved kernel set. An explicit "fast" that cannot
     run is a ValueError naming why; "auto" falls back to exact and says why."""
     if requested not in CHOICES:
         raise ValueError(f"invalid arithmetic={requested!r}: use one of {', '.join(CHOICES)}")
     if requested == "exact":
         return Arithmetic("exact", kernels, "", f"--arithmetic exact ({kernels_why})")
-    reasons = fast_blockers(kernels, arch, page_size, block_types, served_len)
+    reasons = fast_blockers(kernels, arch, page_size, block_types)
     if not reasons:
         from kvseal.kernels.ops import qisa
 

@@ -50,16 +50,19 @@ def layout_name(arch: ModelArch, layout: str) -> str:
 
 class KVPool:
     def __init__(self, arch: ModelArch, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device, layout: str = "std") -> None:
+                 device: torch.device, layout: str = "std", num_layers: int | None = None) -> None:
+        """num_layers: the layers this pool holds (None: all of arch's; kv/window.py splits them in two)."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown KV layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-        shape = (arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim)
-        kshape = (arch.num_layers, num_pages, arch.num_kv_heads, arch.head_dim, page_size) if layout == "kt" else shape
+        nl = arch.num_layers if num_layers is None else num_layers
+        shape = (nl, num_pages, page_size, arch.num_kv_heads, arch.head_dim)
+        kshape = (nl, num_pages, arch.num_kv_heads, arch.head_dim, page_size) if layout == "kt" else shape
         self.k = torch.zeros(kshape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_pages, self.page_size, self.dtype, self.layout = num_pages, page_size, dtype, layout
         self.layout_name = layout_name(arch, layout)
-        self.bytes_per_token = kv_bytes_per_token(arch, dtype)
+        self.bytes_per_token = kv_bytes_per_token(arch, dtype)  # every layer's: a handoff's unit
+        self.page_bytes = 2 * nl * page_size * arch.num_kv_heads * arch.head_dim * self.k.element_size()
 
     @property
     def capacity_tokens(self) -> int:

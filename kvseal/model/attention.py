@@ -36,6 +36,8 @@ class AttentionMeta:
     # the fast arithmetic's attention (kvseal/kernels/attention.c) takes every row of the step at once:
     spans: torch.Tensor | None = None  # (n, 5) int64: first row, rows, first position, offset in tables, pages
     tables: torch.Tensor | None = None  # (sum of pages,) int64: each span's page table, concatenated
+    # the sliding layers' own slots and tables when they keep only their window in a pool of their own (kv/window.py)
+    window: AttentionMeta | None = None
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -107,4 +109,34 @@ def paged_attention(
         else:
             os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span_mask, enable_gqa=True, scale=scale)
         out[span.q_start : span.q_start + span.q_len] = os_.transpose(0, 1)
+    return out
+
+
+def window_attention_kt(
+    q: torch.Tensor,  # (T, H, D) float32
+    k_pool: torch.Tensor,  # (P, KVH, D, S) one layer's "kt" key pages, float32 or bfloat16
+    v_pool: torch.Tensor,  # (P, S, KVH, D)
+    spans: torch.Tensor,  # (n, 5) int64 as for ops.paged_attention_kt
+    tables: torch.Tensor,  # (sum of pages,) int64
+    scale: float,
+    window: int,  # a query at p sees keys p - window + 1 .. p
+) -> torch.Tensor:  # (T, H, D)
+    """The fast arithmetic's attention for a sliding-window layer (its C kernel has no window): per span, only the
+    pages its queries can see, gathered from the "kt" pool and widened to float32, then one masked softmax. Each
+    span alone, so a row's result does not depend on the rows beside it."""
+    _, kvh, d, s = k_pool.shape
+    out = torch.empty_like(q)
+    for row0, n, pos0, off, npages in spans.tolist():
+        kv_len = pos0 + n
+        first = max(0, pos0 - window + 1) // s  # the first page any query of the span sees
+        pages = tables[off + first : off + npages]
+        lo = first * s
+        ks = k_pool.index_select(0, pages).permute(1, 0, 3, 2).reshape(kvh, -1, d)[:, : kv_len - lo].float()
+        vs = v_pool.index_select(0, pages).permute(2, 0, 1, 3).reshape(kvh, -1, d)[:, : kv_len - lo].float()
+        qpos = torch.arange(pos0, kv_len)[:, None]
+        kpos = torch.arange(lo, kv_len)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - window)  # (n, kv_len - lo)
+        qs = q[row0 : row0 + n].transpose(0, 1)  # (H, n, D)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True, scale=scale)
+        out[row0 : row0 + n] = o.transpose(0, 1)
     return out

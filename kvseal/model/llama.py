@@ -4,8 +4,9 @@ Shapes: T = tokens in the flattened batch, H = query heads, KVH = kv heads, D = 
 Numerics follow Hugging Face's LlamaForCausalLM (Qwen3ForCausalLM, Gemma3ForCausalLM) so fp32 greedy output matches
 it token for token. What a family adds to a Llama layer is in ModelArch: q/k norms (Qwen3, Gemma 3), sliding
 windows (Mistral, Gemma 3's local layers, with their own rope base), sandwich norms, GeGLU, scaled embeddings, the
-query scale and the final logit softcap (Gemma 3). Those run on the layer-by-layer path (torch or native ops); the
-whole-model C calls (decode_forward, forward_fast) compute a plain Llama/Qwen2 layer and are used only for those.
+query scale and the final logit softcap (Gemma 3). Those run on the layer-by-layer paths (exact: torch or native ops;
+fast: _layers_fast); the whole-model C calls (decode_forward, forward_fast) compute a plain Llama/Qwen2 layer and are
+used only for those. With its sliding layers' KV in a pool of their own (kv/window.py) a step gets per-layer caches.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from kvseal.kernels import ops
-from kvseal.kernels.arithmetic import fast_gaps
 from kvseal.kernels.ops import FusedRows, PackedWeight, QWeight
-from kvseal.model.attention import AttentionMeta, paged_attention
+from kvseal.model.attention import AttentionMeta, paged_attention, window_attention_kt
 from kvseal.model.checkpoint import Checkpoint, ModelArch
 from kvseal.model.rope import apply_rope, cos_sin_table
 from kvseal.model.weights import Embedding, ModelWeights, linear
@@ -66,8 +66,8 @@ class LlamaModel:
         """native: run kvseal's C kernels (packed GGUF weights where the file has them, paged decode
         attention); the caller has checked they can run here (kvseal.kernels.build.resolve).
         fast: the fast arithmetic (kvseal/kernels/arithmetic.py; needs native): int8 matrix products on
-        repacked blocks, attention over a "kt" pool (kvseal/kv/pool.py); the caller has checked it runs this
-        arch (fast_blockers).
+        repacked blocks, attention over a "kt" pool (kvseal/kv/pool.py); the caller has checked it can run here
+        (fast_blockers).
         max_model_len: the most positions served (None: the model's own window); a sliding window that holds
         them all is plain causal attention."""
         self.arch = arch = ckpt.arch
@@ -93,8 +93,6 @@ class LlamaModel:
         self.scale = (arch.attn_scalar if arch.attn_scalar is not None else arch.head_dim) ** -0.5
         # as transformers multiplies: by a float32 scalar tensor made from the Python float
         self.embed_scale = None if arch.embed_scale is None else torch.tensor(arch.embed_scale).to(dtype)
-        if fast and (not arch.plain or any(self.windows)):
-            raise ValueError(f"the fast arithmetic does not run {arch.family} layers ({fast_gaps(arch, served)})")
         # Decode-only steps run every layer in one C call when all four matrices of every layer are packed (a plain
         # Llama/Qwen2 layer: the C code knows nothing else).
         plain = arch.plain and not any(self.windows)
@@ -119,9 +117,10 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # (T,) int64
         positions: torch.Tensor,  # (T,) int64 absolute positions
-        k_cache: torch.Tensor,  # (L, P, S, KVH, D)
-        v_cache: torch.Tensor,
-        meta: AttentionMeta,
+        # (L, P, S, KVH, D), or per layer (P, S, KVH, D) when the sliding layers have their own pool (kv/window.py)
+        k_cache: torch.Tensor | list[torch.Tensor],
+        v_cache: torch.Tensor | list[torch.Tensor],
+        meta: AttentionMeta,  # meta.window: the sliding layers' own tables, when they have their own pool
         logits_rows: torch.Tensor,  # (B,) int64 rows whose next-token logits are wanted
     ) -> torch.Tensor:  # (B, V) float32 logits
         a = self.arch
@@ -132,7 +131,14 @@ class LlamaModel:
             h = self.embed.rows(input_ids.cpu()).to(device=self.device, dtype=self.dtype)  # (T, E)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        if self.fast and self._c_fast is not None:
+        if isinstance(k_cache, list) or isinstance(v_cache, list):
+            # the sliding layers have their own pool (kv/window.py): only the layer-by-layer paths read it
+            assert self._c_layers is None and self._c_fast is None and meta.window is not None
+            if self.fast:
+                h = self._layers_fast(h, positions, k_cache, v_cache, meta)
+            else:
+                h = self._layers(h, positions, k_cache, v_cache, meta)
+        elif self.fast and self._c_fast is not None:
             assert meta.spans is not None and meta.tables is not None
             ops.forward_fast(self._c_fast, (a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
                              a.head_dim), a.rms_eps, self.scale, self.cos, self.sin, k_cache, v_cache, h, positions,
@@ -148,47 +154,67 @@ class LlamaModel:
                                a.head_dim, k_cache.shape[2]), a.rms_eps, self.scale, self.cos, self.sin, k_cache,
                                v_cache, h, positions, meta.slot_mapping, meta.decode_pages, meta.decode_kv_lens)
         else:
-            rotate = self._rotary(positions, self.cos, self.sin)
-            rotate_local = rotate if self.cos_local is self.cos else self._rotary(positions, self.cos_local,
-                                                                                   self.sin_local)
-            hd = a.num_heads * a.head_dim
-            for i, layer in enumerate(self.layers):
-                x = self._norm(h, layer.ln1)
-                qkv = linear(x, layer.wqkv, layer.bqkv)  # (T, HD + 2 KD)
-                if layer.q_norm is not None:
-                    assert layer.k_norm is not None
-                    qkv = self._qk_norm(qkv, layer.q_norm, layer.k_norm)
-                windowed = bool(a.layer_windows) and a.layer_windows[i] > 0  # Gemma: its own rope base
-                q, k, v = (rotate_local if windowed else rotate)(qkv)  # (T, H, D), (T, KVH, D), (T, KVH, D)
-                o = paged_attention(q, k, v, k_cache[i], v_cache[i], meta, self.scale, self.native, self.windows[i])
-                o = linear(o.reshape(t, hd), layer.wo)
-                h = h + (o if layer.post_attn is None else self._norm(o, layer.post_attn))
-                x = self._norm(h, layer.ln2)
-                m = linear(self._gated(linear(x, layer.w_gate_up)), layer.w_down)
-                h = h + (m if layer.post_ffn is None else self._norm(m, layer.post_ffn))
+            h = self._layers(h, positions, k_cache, v_cache, meta)
         logits = linear(self._norm(h[logits_rows], self.norm), self.lm_head).float()
         if a.final_softcap is not None:
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
 
-    def _layers_fast(self, h: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMeta) -> torch.Tensor:
-        """Every layer with the fast arithmetic; k_cache (L, P, KVH, D, S), v_cache (L, P, S, KVH, D)."""
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor | list[torch.Tensor],
+                v_cache: torch.Tensor | list[torch.Tensor], meta: AttentionMeta) -> torch.Tensor:
+        """Every layer, one op at a time (torch or native ops); k_cache[i], v_cache[i]: layer i's (P, S, KVH, D)."""
         a = self.arch
-        assert meta.spans is not None and meta.tables is not None
+        t, hd = h.shape[0], a.num_heads * a.head_dim
+        rotate = self._rotary(positions, self.cos, self.sin)
+        rotate_local = rotate if self.cos_local is self.cos else self._rotary(positions, self.cos_local, self.sin_local)
+        for i, layer in enumerate(self.layers):
+            x = self._norm(h, layer.ln1)
+            qkv = linear(x, layer.wqkv, layer.bqkv)  # (T, HD + 2 KD)
+            if layer.q_norm is not None:
+                assert layer.k_norm is not None
+                qkv = self._qk_norm(qkv, layer.q_norm, layer.k_norm)
+            windowed = bool(a.layer_windows) and a.layer_windows[i] > 0  # Gemma: its own rope base
+            q, k, v = (rotate_local if windowed else rotate)(qkv)  # (T, H, D), (T, KVH, D), (T, KVH, D)
+            m_i = meta.window if self.windows[i] and meta.window is not None else meta  # its pool's tables
+            o = paged_attention(q, k, v, k_cache[i], v_cache[i], m_i, self.scale, self.native, self.windows[i])
+            o = linear(o.reshape(t, hd), layer.wo)
+            h = h + (o if layer.post_attn is None else self._norm(o, layer.post_attn))
+            x = self._norm(h, layer.ln2)
+            m = linear(self._gated(linear(x, layer.w_gate_up)), layer.w_down)
+            h = h + (m if layer.post_ffn is None else self._norm(m, layer.post_ffn))
+        return h
+
+    def _layers_fast(self, h: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor | list[torch.Tensor],
+                     v_cache: torch.Tensor | list[torch.Tensor], meta: AttentionMeta) -> torch.Tensor:
+        """Every layer with the fast arithmetic; k_cache[i] (P, KVH, D, S), v_cache[i] (P, S, KVH, D). A family's extras
+        are the exact path's native ops (q/k norms, sandwich norms, GeGLU); a sliding-window layer's attention reads
+        only its window's pages, in torch (window_attention_kt): the C kernel has no window."""
+        a = self.arch
         t, hd, kd = h.shape[0], a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         for i, layer in enumerate(self.layers):
+            m_i = meta.window if self.windows[i] and meta.window is not None else meta  # its pool's tables
+            assert m_i.spans is not None and m_i.tables is not None
             x = ops.rms_norm(h, layer.ln1, a.rms_eps)
             qkv = linear(x, layer.wqkv, layer.bqkv)  # (T, HD + 2 KD)
-            ops.rope_(qkv, a.num_heads + a.num_kv_heads, a.head_dim, self.cos, self.sin, positions)
+            if layer.q_norm is not None:
+                assert layer.k_norm is not None
+                qkv = self._qk_norm(qkv, layer.q_norm, layer.k_norm)
+            local = bool(a.layer_windows) and a.layer_windows[i] > 0  # Gemma: its own rope base
+            ops.rope_(qkv, a.num_heads + a.num_kv_heads, a.head_dim, self.cos_local if local else self.cos,
+                      self.sin_local if local else self.sin, positions)
             ops.write_kv(qkv[:, hd : hd + kd].reshape(t, a.num_kv_heads, a.head_dim),
                          qkv[:, hd + kd :].reshape(t, a.num_kv_heads, a.head_dim), k_cache[i], v_cache[i],
-                         meta.slot_mapping)
-            o = ops.paged_attention_kt(qkv[:, :hd].reshape(t, a.num_heads, a.head_dim), k_cache[i], v_cache[i],
-                                       meta.spans, meta.tables, self.scale)
-            h = h + linear(o.view(t, hd), layer.wo)
+                         m_i.slot_mapping)
+            q = qkv[:, :hd].reshape(t, a.num_heads, a.head_dim)
+            if self.windows[i]:
+                o = window_attention_kt(q, k_cache[i], v_cache[i], m_i.spans, m_i.tables, self.scale, self.windows[i])
+            else:
+                o = ops.paged_attention_kt(q, k_cache[i], v_cache[i], m_i.spans, m_i.tables, self.scale)
+            o = linear(o.view(t, hd), layer.wo)
+            h = h + (o if layer.post_attn is None else ops.rms_norm(o, layer.post_attn, a.rms_eps))
             x = ops.rms_norm(h, layer.ln2, a.rms_eps)
-            h = h + linear(ops.silu_mul(linear(x, layer.w_gate_up)), layer.w_down)
+            mlp = linear(self._gated(linear(x, layer.w_gate_up)), layer.w_down)
+            h = h + (mlp if layer.post_ffn is None else ops.rms_norm(mlp, layer.post_ffn, a.rms_eps))
         return h
 
     # The three places where the kernel sets differ; native is the same math with sums in another order.
