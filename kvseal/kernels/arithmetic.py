@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvseal.model.checkpoint import ModelArch
+from kvseal.model.arch import ModelArch
 
 CHOICES = ("auto", "exact", "fast")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from kvseal.model.checkpoint import ModelArch
+from kvseal.model.arch import ModelArch
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "dequant.c", "qpack.c", "qgemm.c", "attention.c",
                                                      "forward.c"))

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from kvseal.config import CacheConfig
-from kvseal.model.checkpoint import ModelArch
+from kvseal.model.arch import ModelArch
 
 
 def kv_bytes_per_token(arch: ModelArch, dtype: torch.dtype) -> int:

@@ -33,7 +33,7 @@ import torch
 
 from kvseal.kv.allocator import OutOfPages, PageAllocator, pages_for
 from kvseal.kv.pool import KVPool
-from kvseal.model.checkpoint import ModelArch
+from kvseal.model.arch import ModelArch
 
 if TYPE_CHECKING:
     from kvseal.engine.sequence import Sequence

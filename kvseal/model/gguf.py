@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from kvseal.kernels.ops import BLOCKS
-from kvseal.model.checkpoint import Checkpoint, ModelArch
+from kvseal.model.arch import ModelArch
+from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.file_index import file_digests
 from kvseal.model.gguf_file import GGUFFile, TensorInfo
 from kvseal.model.gguf_tokenizer import gguf_field, tokenizer_from_gguf_reader

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvseal.model.checkpoint import ModelArch
+from kvseal.model.arch import ModelArch
 
 
 def expected_weight_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 
 from kvseal.kernels import ops
 from kvseal.kernels.ops import FusedRows, PackedWeight, QWeight
+from kvseal.model.arch import ModelArch
 from kvseal.model.attention import AttentionMeta, paged_attention, window_attention_kt
-from kvseal.model.checkpoint import Checkpoint, ModelArch
+from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.rope import apply_rope, cos_sin_table
 from kvseal.model.weights import Embedding, ModelWeights, linear
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kvseal.model.checkpoint import ModelArch
+from kvseal.model.arch import ModelArch
 
 
 def inv_frequencies(arch: ModelArch, local: bool = False) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kvseal.model.checkpoint import Checkpoint, ModelArch
+from kvseal.model.arch import ModelArch
+from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.layout import check_weights
 from kvseal.model.tokenizer import Tokenizer
 

@@ -7,7 +7,8 @@ import torch
 
 from kvseal.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
-from kvseal.model.checkpoint import Checkpoint, ModelArch
+from kvseal.model.arch import ModelArch
+from kvseal.model.checkpoint import Checkpoint
 
 
 class _FakeEncoding:

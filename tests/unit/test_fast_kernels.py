@@ -27,7 +27,7 @@ import torch
 from kvseal.kernels import ops
 from kvseal.kernels.arithmetic import fast_blockers, resolve_arithmetic
 from kvseal.kernels.ops import F32, FLOAT_TYPES, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, TYPE_NAMES, QWeight, qlinear
-from kvseal.model.checkpoint import ModelArch
+from kvseal.model.arch import ModelArch
 from tests.unit.test_kernels import (
     ALL_TYPES,
     QUANT_TYPES,

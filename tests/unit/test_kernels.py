@@ -38,7 +38,7 @@ from kvseal.kernels.ops import (
     paged_decode_attention,
 )
 from kvseal.kv.allocator import pages_for
-from kvseal.model.checkpoint import ModelArch
+from kvseal.model.arch import ModelArch
 
 ALL_TYPES = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K]
 QUANT_TYPES = [t for t in ALL_TYPES if t not in FLOAT_TYPES]

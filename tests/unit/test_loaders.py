@@ -16,7 +16,8 @@ import torch
 
 from kvseal.kernels.ops import BLOCKS
 from kvseal.model import loader
-from kvseal.model.checkpoint import Checkpoint, ModelArch
+from kvseal.model.arch import ModelArch
+from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.gguf import load_gguf
 from kvseal.model.loader import default_model_path, load_checkpoint
 from kvseal.model.safetensors import arch_from_hf_config, load_hf_folder
