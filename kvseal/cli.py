@@ -88,6 +88,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="who each engine admits next when tenants compete: vtc (default; the tenant served least, "
                         "in tokens weighted by its weight from --api-keys, as the Virtual Token Counter; a tenant "
                         "alone gets everything) or off (arrival order)")
+    p.add_argument("--contended-chunk-tokens", type=int, default=128,
+                   help="with --fairness vtc: prompt tokens per step while more than one tenant competes (had work "
+                        "within 5 s), so that a newcomer waits for a short step; a tenant alone gets "
+                        "--max-num-batched-tokens chunks")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed")
     p.add_argument("--grammar-compilers", type=int, default=0, metavar="N",
                    help="processes that compile response_format grammars, off the engine's loop (started on the "
@@ -136,7 +140,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(page_size=a.page_size, pool_tokens=a.kv_pool_tokens, pool_bytes=a.kv_pool_bytes,
                           scrub=a.kv_scrub, kv_dtype=a.kv_dtype, prefix_cache=not a.no_prefix_cache),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                                  max_waiting=a.max_waiting, wait_timeout_s=a.wait_timeout, fairness=a.fairness),
+                                  max_waiting=a.max_waiting, wait_timeout_s=a.wait_timeout, fairness=a.fairness,
+                                  contended_chunk_tokens=a.contended_chunk_tokens),
         seed=a.seed,
         ledger=LedgerConfig(ledger_path(a)),
         grammar=GrammarConfig(grammar_compilers=a.grammar_compilers, grammar_timeout_s=a.grammar_timeout,

@@ -67,6 +67,9 @@ class SchedulerConfig:
     max_waiting: int = 1024  # requests waiting for pages beyond this get 503 at once
     wait_timeout_s: float = 60.0  # 503 for a request waiting for pages when none was freed for this long
     fairness: str = "vtc"  # who is admitted next among tenants: "vtc" (engine/fairness.py) or "off" (arrival order)
+    # vtc: prompt tokens per step (chunks, recompute) while more than one tenant competes; a newcomer waits for one
+    # such step, not a max_num_batched_tokens chunk of another tenant's prompt
+    contended_chunk_tokens: int = 128
 
     def __post_init__(self) -> None:
         _need(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "give a positive number")
@@ -74,6 +77,8 @@ class SchedulerConfig:
               "give at least 16 tokens")
         _need(self.max_waiting > 0, "max_waiting", self.max_waiting, "give a positive number")
         _need(self.wait_timeout_s > 0, "wait_timeout_s", self.wait_timeout_s, "give a positive number")
+        _need(self.contended_chunk_tokens >= 16, "contended_chunk_tokens", self.contended_chunk_tokens,
+              "give at least 16 tokens (or the same as max_num_batched_tokens for no cap)")
         _need(self.fairness in ("vtc", "off"), "fairness", self.fairness, "use vtc (tenants share by weight) or off "
               "(arrival order)")
 
