@@ -320,6 +320,23 @@ class DecodeEngine(Engine):
             victim.life.advance(State.ADMITTED)
         return True
 
+    def within_fair_reservations(self, req: GenerateRequest) -> bool:
+        """vtc, while tenants compete (fairness.competing): a new reservation is granted to a tenant only while the
+        pages its requests here hold, with the new prompt's, stay within its fair share of the pool (a tenant holding
+        none may always reserve one). Pages reserved ahead of a queued prefill do no work: without this, a flood's
+        reservations took every page, and another tenant's chat waited for them to be prefilled and decoded, or
+        preempted decoding requests whose recompute (as long as a prefill, on a CPU) slowed everyone. A tenant
+        alone is not held back, and one whose requests grew past its share is preempted only for a tenant under
+        its own (make_room)."""
+        fair = self.scheduler.fair
+        weights = fair.competing({req.tenant: req.weight} | {s.tenant: s.weight for s in self.seqs.values()},
+                                 time.monotonic())
+        if not fair.vtc or len(weights) < 2:
+            return True
+        mine = sum(len(s.pages) for s in self.seqs.values() if s.tenant == req.tenant)
+        share = weights[req.tenant] / sum(weights.values()) * self.allocator.num_pages
+        return mine == 0 or mine + self.pages_for_prompt(len(req.prompt_ids)) <= share
+
     def within_share(self, req: GenerateRequest) -> bool:
         """kv_share for a reservation: this tenant's live requests here at their longest (prompt + max_tokens), with
         req, within its share of the pool; a tenant with none here may always reserve (engine/scheduler.py's rule)."""

@@ -156,10 +156,20 @@ class FairShare:
     def contended(self, busy: Iterable[str], now: float) -> bool:
         """Whether more than one tenant competes here: has work now (`busy`) or sent a request within CONTENDED_S.
         Off: never (arrival order, full chunks: the baseline)."""
+        return self.vtc and len(self.competing({t: 1.0 for t in busy}, now)) > 1
+
+    def competing(self, live: Mapping[str, float], now: float) -> dict[str, float]:
+        """tenant -> weight of the tenants that compete here: with work now (`live`, with their weights) or with a
+        request within CONTENDED_S. Off: only `live` (nothing is held back for a tenant that is not here)."""
         if not self.vtc:
-            return False
-        recent = {t for t, at in self.last_arrival.items() if now - at < CONTENDED_S}
-        return len(recent | set(busy)) > 1
+            return dict(live)
+        recent = {t: self.books[t].weight for t, at in self.last_arrival.items() if now - at < CONTENDED_S}
+        return recent | dict(live)
+
+    def seen(self, tenant: str, weight: float, now: float) -> None:
+        """A request of tenant reached this worker (decode: its reservation, before it joins the engine)."""
+        self.books[tenant].weight = weight
+        self.last_arrival[tenant] = now
 
     @staticmethod
     def _newest_of(running: Iterable[Sequence], tenant: str) -> Sequence:

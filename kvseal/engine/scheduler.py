@@ -13,7 +13,8 @@ Policy, once per step, under a token budget (who goes first among tenants: engin
      under its own tenant key and is charged only for the rest; at least its last prompt token is always
      computed, for the logits.
 While more than one tenant competes (vtc), the prompt tokens of a step (chunks, recompute) are capped at
-contended_chunk_tokens: a newcomer waits for a short step. Decode tokens are not capped.
+contended_chunk_tokens for the running and as much again for those admitted: a newcomer waits for a short step,
+and is not kept out of the next one by a running chunk. Decode tokens are not capped.
 Waiting is not a timeout while the engine makes progress: requests wait in the order above, the queue's length is
 bounded (max_waiting, then 503 at once), and a busy engine frees pages as it finishes requests. Only a sequence
 refused pages at every step for wait_timeout_s while no page at all was freed (nothing can move) ends REJECTED
@@ -78,8 +79,9 @@ class Scheduler:
         now = time.monotonic()
         budget = self.cfg.max_num_batched_tokens
         busy = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
-        # prompt tokens (chunks, recompute) this step may still take; decode tokens are not capped
-        chunk = self.cfg.contended_chunk_tokens if self.fair.contended(busy, now) else budget
+        contended = self.fair.contended(busy, now)
+        # prompt tokens (chunks, recompute) the running may still take this step; decode tokens are not capped
+        chunk = self.cfg.contended_chunk_tokens if contended else budget
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -101,6 +103,8 @@ class Scheduler:
                 budget -= n
                 chunk -= n if n > 1 else 0
         squeezed = bool(preempted)  # pages ran out for the running: admit nothing new this step
+        if contended:  # the waiting get a cap of their own: a newcomer is not kept out by a running chunk
+            chunk = self.cfg.contended_chunk_tokens
         considered: set[int] = set()
         for seq in self.fair.admission_order(self.waiting):
             if budget == 0 or squeezed or len(self.running) >= self.cfg.max_num_seqs:

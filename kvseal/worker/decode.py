@@ -11,7 +11,8 @@ ahead of it. With vtc, a reservation of a tenant within its fair share of the po
 decoding requests of the tenant most over its share (recomputed here later, their output so far kept:
 DecodeEngine.make_room). A tenant with a kv_share holds at most that share of the pool in reservations and requests (at
 their longest); its further reservations wait without holding back other tenants'. Each request's deltas are
-numbered for the router's continuity check.
+numbered for the router's continuity check. While tenants compete (vtc), a reservation is granted to a tenant only
+while its requests here stay within its fair share of the pool (DecodeEngine.within_fair_reservations).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class DecodeWorker(WorkerServer):
                 self.counters["requests_received"] += 1
                 try:
                     self.refuse_new()
-                    if self.queue or not self._fits_now(req) or not self.dengine.within_share(req):
+                    self.dengine.scheduler.fair.seen(req.tenant, req.weight, time.monotonic())
+                    if self.queue or not self._fits_now(req) or not self._may_reserve(req):
                         self._enqueue(_Queued(ident, cid, req))
                         return
                     self._reserve(_Queued(ident, cid, req))
@@ -107,6 +109,9 @@ class DecodeWorker(WorkerServer):
     # -- reservations in arrival order -----------------------------------------------------------------
     def _fits_now(self, req: GenerateRequest) -> bool:
         return self.dengine.pages_available(req) >= self.dengine.pages_for_prompt(len(req.prompt_ids))
+
+    def _may_reserve(self, req: GenerateRequest) -> bool:
+        return self.dengine.within_share(req) and self.dengine.within_fair_reservations(req)
 
     def _fits_with_room(self, req: GenerateRequest) -> bool:
         """It fits now, or (vtc) once requests of tenants over their fair share were preempted for it."""
@@ -136,7 +141,7 @@ class DecodeWorker(WorkerServer):
     def _next_queued(self) -> _Queued | None:
         """The reservation to grant next: of those whose tenant stays within its kv_share, the one fairness picks
         (a tenant at its share waits without holding back the others)."""
-        ready = [q for q in self.queue if self.dengine.within_share(q.request)]
+        ready = [q for q in self.queue if self._may_reserve(q.request)]
         if not ready:
             return None
         return self.dengine.scheduler.fair.pick(ready, lambda q: (

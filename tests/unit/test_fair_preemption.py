@@ -13,6 +13,7 @@ from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from kvseal.engine.disagg import DecodeEngine, PrefillEngine
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
+from kvseal.errors import ErrorInfo
 from kvseal.hooks import NO_FAULTS
 from kvseal.lifecycle import State
 from kvseal.model.checkpoint import Checkpoint
@@ -102,6 +103,8 @@ def test_prompt_chunks_are_capped_while_two_tenants_compete(tiny: Checkpoint) ->
     e.add_request(GenerateRequest("b0", prompt(100, 3), SHORT, tenant="b"))
     e.step()
     assert e.seqs["a1"].num_computed + e.seqs["b0"].num_computed == 32  # one capped chunk between them
+    e.step()  # a running chunk (of a1 or b0) takes its cap, and the other still gets one: both move
+    assert e.seqs["a1"].num_computed + e.seqs["b0"].num_computed == 96 and e.seqs["b0"].num_computed > 0
     off = Engine(EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=128, contended_chunk_tokens=32,
                                                         fairness="off")), tiny)
     off.add_request(GenerateRequest("a1", prompt(100, 2), SHORT, tenant="a"))
@@ -176,5 +179,41 @@ def test_a_reservation_under_its_share_preempts_decoding_requests_over_it(tiny: 
         for rid, rid_ids in ids.items():
             assert tokens(out[rid]) == run_alone(tiny, rid_ids, params[rid]), rid
         assert d.allocator.num_free == d.pool.num_pages and p.allocator.num_free == p.pool.num_pages  # seal 8
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("with_b", [True, False])
+def test_while_tenants_compete_a_tenant_reserves_up_to_its_fair_share(tiny: Checkpoint, with_b: bool) -> None:
+    """Decode's reservations: while b competes, a's requests here stay within half the pool though pages are free
+    (reserved ahead of their prefill they do no work); alone, or once b is gone, a reserves what fits."""
+    cfg = EngineConfig(model=ModelConfig(max_model_len=64), cache=CacheConfig(page_size=4, pool_tokens=256),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=32))  # 64 pages: a's fair share 32
+    w = DecodeWorker(DecodeEngine(cfg, tiny), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", NO_FAULTS)
+    sent: list[P.Message] = []
+    w.send = lambda ident, msg: sent.append(msg)  # type: ignore[method-assign]
+    try:
+        def ask(rid: str, n: int) -> None:
+            w.handle(b"r", P.ReserveReq(call_id=len(sent), request=GenerateRequest(rid, [5] * n, SHORT,
+                                                                                   tenant=rid[0])))
+            w.pump()
+
+        def granted() -> list[str]:
+            return [m.reservation.request_id for m in sent if isinstance(m, P.ReserveResp)
+                    and m.reservation is not None]
+
+        if with_b:
+            ask("b1", 8)  # 2 pages
+        for i in range(1, 5):
+            ask(f"a{i}", 40)  # 10 pages each
+        if not with_b:
+            assert granted() == ["a1", "a2", "a3", "a4"]  # alone: everything that fits
+            return
+        assert granted() == ["b1", "a1", "a2", "a3"] and [q.request.request_id for q in w.queue] == ["a4"]
+        assert w.dengine.allocator.num_free >= 30  # a4 waits for its share, not for room
+        w.handle(b"r", P.ReleaseReq(request_id="b1", error=ErrorInfo("X", "x", 500, "x"), rejected=True))
+        w.dengine.scheduler.fair.last_arrival["b"] -= 60  # b sent nothing for a minute: a is alone
+        w.pump()
+        assert granted()[-1] == "a4" and not w.queue
     finally:
         w.close()
