@@ -108,6 +108,11 @@ class SchedulerConfig:
                         "least, in tokens weighted by its weight from --api-keys, as the Virtual Token Counter; a "
                         "tenant alone gets everything; engine/fairness.py) or off (arrival order)",
                         choices=("vtc", "off"))
+    # vtc: prompt tokens per step (chunks, recompute) while more than one tenant competes; a newcomer waits for one
+    # such step, not a max_num_batched_tokens chunk of another tenant's prompt
+    contended_chunk_tokens: int = opt(128, "with --fairness vtc: prompt tokens per step while more than one tenant "
+                                      "competes (had work within 5 s), so that a newcomer waits for a short step; a "
+                                      "tenant alone gets --max-num-batched-tokens chunks")
 
     def __post_init__(self) -> None:
         _need(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "give a positive number")
@@ -115,6 +120,8 @@ class SchedulerConfig:
               "give at least 16 tokens")
         _need(self.max_waiting > 0, "max_waiting", self.max_waiting, "give a positive number")
         _need(self.wait_timeout_s > 0, "wait_timeout_s", self.wait_timeout_s, "give a positive number")
+        _need(self.contended_chunk_tokens >= 16, "contended_chunk_tokens", self.contended_chunk_tokens,
+              "give at least 16 tokens (or the same as max_num_batched_tokens for no cap)")
         _need(self.fairness in ("vtc", "off"), "fairness", self.fairness, "use vtc (tenants share by weight) or off "
               "(arrival order)")
 

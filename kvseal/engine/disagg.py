@@ -16,11 +16,13 @@ says nothing can land any more (`accept_landed` / `landing_failed`); only then a
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 from kvseal.engine.engine import Engine
+from kvseal.engine.fairness import held_pages
 from kvseal.engine.messages import GenerateRequest, TokenLogprob
 from kvseal.engine.sequence import Sequence
 from kvseal.errors import KvsealError, Overloaded, TransferTimeout, TransferVerificationFailed
@@ -267,8 +269,8 @@ class DecodeEngine(Engine):
         seq.life.advance(State.RESERVED)
         need = self.pages_for_prompt(len(seq.prompt_ids))
         try:
-            if self.pages_available() < need:
-                raise OutOfPages(f"{need} pages wanted, {self.pages_available()} available")
+            if self.pages_available(req) < need:
+                raise OutOfPages(f"{need} pages wanted, {self.pages_available(req)} available")
             seq.pages = self.allocator.allocate(seq.owner, need)
         except OutOfPages:
             seq.life.reject(Overloaded("the decode worker has no free KV pages right now; retry later"))
@@ -280,15 +282,60 @@ class DecodeEngine(Engine):
     def pages_for_prompt(self, num_tokens: int) -> int:
         return pages_for(num_tokens, self.pool.page_size)
 
-    def pages_available(self) -> int:
-        """Free pages a new reservation may take. Requests already here come first: pages that waiting (e.g.
-        preempted) sequences need to run again are not handed out, or a stream of new arrivals could starve
-        them; and every request here keeps one page of room to grow, so that admitting more does not force
-        the ones decoding into preemption (their KV dropped and recomputed here)."""
-        owed = sum(max(pages_for(s.num_tokens + 1, self.pool.page_size) - len(s.pages), 0)
-                   for s in self.scheduler.waiting)
+    def pages_available(self, req: GenerateRequest | None = None) -> int:
+        """Free pages a new reservation (for req) may take. Requests already here come first: pages that waiting
+        (e.g. preempted) sequences need to run again are not handed out, or a stream of new arrivals could starve
+        them, except (vtc) those of another tenant that would hold more than its fair share of the pool with them
+        (as after make_room preempted it for a tenant under its share); and every request here keeps one page of
+        room to grow, so that admitting more does not force the ones decoding into preemption (their KV dropped
+        and recomputed here)."""
+        owed: defaultdict[str, int] = defaultdict(int)
+        for s in self.scheduler.waiting:
+            owed[s.tenant] += max(pages_for(s.num_tokens + 1, self.pool.page_size) - len(s.pages), 0)
+        if req is not None and self.scheduler.fair.vtc:
+            held = held_pages(self.seqs.values())
+            weights = {req.tenant: req.weight} | {s.tenant: s.weight for s in self.seqs.values()}
+            whole = sum(weights.values())
+            for t in [t for t in owed if t != req.tenant]:
+                if held[t] + owed[t] > weights[t] / whole * self.allocator.num_pages:
+                    del owed[t]
         growing = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self.reserved) + len(self.compiling)
-        return self.allocator.num_free - owed - growing
+        return self.allocator.num_free - sum(owed.values()) - growing
+
+    def make_room(self, req: GenerateRequest) -> bool:
+        """vtc: preempt decoding requests of tenants over their fair share of the pool (recomputed here later, output
+        so far kept) until req's reservation fits; only for a tenant within its share (fairness.room_victim). The
+        shares are those of pages_available: among req's tenant and the tenants of the requests here, so that a
+        victim's pages, once it is preempted, are not owed back to it. True when req fits now."""
+        need = self.pages_for_prompt(len(req.prompt_ids))
+        held = held_pages(self.seqs.values())
+        weights = {req.tenant: req.weight} | {s.tenant: s.weight for s in self.seqs.values()}
+        while self.pages_available(req) < need:
+            victim = self.scheduler.fair.room_victim(self.scheduler.running, req.tenant, req.priority_class, need,
+                                                     held, weights, self.allocator.num_pages)
+            if victim is None:
+                return False
+            held[victim.tenant] -= len(victim.pages)
+            self.scheduler.preempt(victim)
+            victim.life.advance(State.ADMITTED)
+        return True
+
+    def within_fair_reservations(self, req: GenerateRequest) -> bool:
+        """vtc, while tenants compete (fairness.competing): a new reservation is granted to a tenant only while the
+        pages its requests here hold, with the new prompt's, stay within its fair share of the pool (a tenant holding
+        none may always reserve one). Pages reserved ahead of a queued prefill do no work: without this, a flood's
+        reservations took every page, and another tenant's chat waited for them to be prefilled and decoded, or
+        preempted decoding requests whose recompute (as long as a prefill, on a CPU) slowed everyone. A tenant
+        alone is not held back, and one whose requests grew past its share is preempted only for a tenant under
+        its own (make_room)."""
+        fair = self.scheduler.fair
+        weights = fair.competing({req.tenant: req.weight} | {s.tenant: s.weight for s in self.seqs.values()},
+                                 time.monotonic())
+        if not fair.vtc or len(weights) < 2:
+            return True
+        mine = sum(len(s.pages) for s in self.seqs.values() if s.tenant == req.tenant)
+        share = weights[req.tenant] / sum(weights.values()) * self.allocator.num_pages
+        return mine == 0 or mine + self.pages_for_prompt(len(req.prompt_ids)) <= share
 
     def within_share(self, req: GenerateRequest) -> bool:
         """kv_share for a reservation: this tenant's live requests here at their longest (prompt + max_tokens), with

@@ -300,6 +300,11 @@ class Engine:
     def _forget(self, request_id: str) -> None:
         """Drop what a role keeps about a request besides its Sequence (subclasses: reservations, handoffs)."""
 
+    def take_output(self) -> list[GenerateDelta]:
+        """The deltas produced between steps (decode: a verified request's first token), handed out at once."""
+        out, self._out = self._out, []
+        return out
+
     # -- one step ------------------------------------------------------------------------------------
     def step(self) -> list[GenerateDelta]:
         self._grammars_arrived()

@@ -6,9 +6,15 @@ W_PREFILL (a prompt or recomputed token) or W_DECODE (an output token) divided b
 takes the next request from the waiting tenant with the lowest (priority class, counter); within a tenant, the
 lowest `priority` first (vLLM's meaning), then first come, first served. A tenant that becomes active again has its
 counter lifted to the lowest counter of the tenants active now (on an idle engine, to the highest of all), so
-time away never banks credit. Preemption takes its victim from the running tenant most over its share (highest
-class, then highest counter), its lowest-priority newest request. Nothing waits while there is room: a tenant
-alone gets every slot (work-conserving).
+time away never banks credit. Nothing waits while there is room: a tenant alone gets every slot (work-conserving).
+
+KV pages are shared the same way. A tenant's fair share of a pool is its weight over the weights of the tenants with
+work there now. Preemption takes its victim from the running tenant most over its share (highest class, then most
+pages per weight, then highest counter), its lowest-priority newest request: when pages run out for a running
+request, and (vtc) when a tenant that holds no more than its share waits for pages that another tenant, over its
+share, holds (`room_victim`; the victim is recomputed later, its output so far kept). While more than one tenant
+has had work within CONTENDED_S, prompt chunks are capped (`contended`): a newcomer waits for a short step, not a
+long chunk of another tenant's prompt.
 
 Invariant: while two tenants of a class stay backlogged, their counters differ by at most the largest cost one
 admission step can add (a chunk or one decode step of the batch), so the tokens they are served approach the ratio
@@ -19,7 +25,7 @@ compares against.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import TypeVar
@@ -29,6 +35,7 @@ from kvseal.engine.sequence import Sequence
 Q = TypeVar("Q")
 W_PREFILL, W_DECODE = 1.0, 2.0  # VTC's weights: an output token costs about twice a prompt token
 FAIRNESS = ("vtc", "off")
+CONTENDED_S = 5.0  # a tenant that sent a request this recently still counts as competing (one chat a second does)
 
 
 @dataclass
@@ -49,11 +56,13 @@ class FairShare:
             raise ValueError(f"invalid fairness={mode!r}: use {' or '.join(FAIRNESS)}")
         self.vtc = mode == "vtc"
         self.books: defaultdict[str, TenantBook] = defaultdict(TenantBook)
+        self.last_arrival: dict[str, float] = {}  # tenant -> when its latest request arrived (monotonic)
 
     def activate(self, seq: Sequence, active: set[str]) -> None:
         """seq arrives; `active`: the tenants with a request waiting or running before it."""
         book = self.books[seq.tenant]
         book.weight = seq.weight
+        self.last_arrival[seq.tenant] = seq.arrival
         if seq.tenant in active:
             return
         # back after a pause: no credit banked meanwhile. Against the tenants busy now, the least served of them;
@@ -109,12 +118,62 @@ class FairShare:
         return min(items, key=key)
 
     def victim(self, running: list[Sequence]) -> Sequence:
-        """The running sequence to preempt when pages run out."""
+        """The running sequence to preempt when pages run out: of the tenant most over its share (highest class,
+        then most pages per weight, then highest counter); off, the newest."""
         if not self.vtc:
             return running[-1]
-        worst = max(running, key=lambda s: (s.priority_class, self.books[s.tenant].counter))
-        mine = [s for s in running if s.tenant == worst.tenant]
-        return max(mine, key=lambda s: (s.priority, s.arrival))
+        held = held_pages(running)
+        worst = max(running, key=lambda s: (s.priority_class, held[s.tenant] / s.weight,
+                                            self.books[s.tenant].counter))
+        return self._newest_of(running, worst.tenant)
+
+    def room_victim(self, running: Iterable[Sequence], tenant: str, priority_class: int, need: int,
+                    held: Mapping[str, int], weights: Mapping[str, float], total: int) -> Sequence | None:
+        """The running sequence to preempt so that `tenant` gets `need` more pages of a pool of `total`, or None.
+
+        held: pages each tenant holds now; weights: the weight of every tenant with work here (tenant included).
+        Only with vtc, only for a tenant that stays within its fair share with them (or holds nothing: one request
+        always may start), and only from another tenant of the same or a lower class (a higher number) that holds
+        more than its own share; of those, the one most over it (pages per weight), its lowest-priority newest."""
+        if not self.vtc:
+            return None
+        whole = sum(weights.values())
+
+        def share(t: str) -> float:
+            return weights.get(t, 1.0) / whole * total
+
+        mine = held.get(tenant, 0)
+        if mine and mine + need > share(tenant):
+            return None
+        candidates = [s for s in running if s.tenant != tenant and s.priority_class >= priority_class
+                      and held.get(s.tenant, 0) > share(s.tenant)]
+        if not candidates:
+            return None
+        worst = max(candidates, key=lambda s: (s.priority_class, held.get(s.tenant, 0) / weights.get(s.tenant, 1.0),
+                                               self.books[s.tenant].counter))
+        return self._newest_of(candidates, worst.tenant)
+
+    def contended(self, busy: Iterable[str], now: float) -> bool:
+        """Whether more than one tenant competes here: has work now (`busy`) or sent a request within CONTENDED_S.
+        Off: never (arrival order, full chunks: the baseline)."""
+        return self.vtc and len(self.competing({t: 1.0 for t in busy}, now)) > 1
+
+    def competing(self, live: Mapping[str, float], now: float) -> dict[str, float]:
+        """tenant -> weight of the tenants that compete here: with work now (`live`, with their weights) or with a
+        request within CONTENDED_S. Off: only `live` (nothing is held back for a tenant that is not here)."""
+        if not self.vtc:
+            return dict(live)
+        recent = {t: self.books[t].weight for t, at in self.last_arrival.items() if now - at < CONTENDED_S}
+        return recent | dict(live)
+
+    def seen(self, tenant: str, weight: float, now: float) -> None:
+        """A request of tenant reached this worker (decode: its reservation, before it joins the engine)."""
+        self.books[tenant].weight = weight
+        self.last_arrival[tenant] = now
+
+    @staticmethod
+    def _newest_of(running: Iterable[Sequence], tenant: str) -> Sequence:
+        return max((s for s in running if s.tenant == tenant), key=lambda s: (s.priority, s.arrival))
 
     def figures(self, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> dict[str, dict[str, float]]:
         """tenant -> what this engine served it, its counter, its weight, and the pages and requests it holds now."""
@@ -130,3 +189,11 @@ class FairShare:
                     "weight": b.weight, "queue_seconds": round(b.queue_seconds, 6), "scheduled": b.scheduled,
                     "kv_pages": pages[t], "running": counts[t][0], "waiting": counts[t][1]}
                 for t, b in sorted(self.books.items())}
+
+
+def held_pages(seqs: Iterable[Sequence]) -> defaultdict[str, int]:
+    """tenant -> the pages its sequences hold."""
+    held: defaultdict[str, int] = defaultdict(int)
+    for s in seqs:
+        held[s.tenant] += len(s.pages)
+    return held

@@ -6,10 +6,15 @@ Policy, once per step, under a token budget (who goes first among tenants: engin
      the older one fits: with fairness vtc one of the tenant most over its share, else the newest.
   2. then waiting sequences, as long as budget and batch slots allow: with fairness vtc from the tenant
      served least (weighted), by priority then arrival within a tenant; with off in arrival order. One whose
-     pages are not free now, or whose tenant would pass its kv_share of the pool, is skipped for this step.
+     tenant would pass its kv_share of the pool is skipped for this step; so is one whose pages are not free
+     now, unless (vtc) its tenant holds no more than its fair share and another tenant holds more: then requests
+     of that tenant are preempted to make room (fairness.room_victim).
      A sequence that starts (or restarts) from nothing first takes the longest cached prefix of its prompt
      under its own tenant key and is charged only for the rest; at least its last prompt token is always
      computed, for the logits.
+While more than one tenant competes (vtc), the prompt tokens of a step (chunks, recompute) are capped at
+contended_chunk_tokens for the running and as much again for those admitted: a newcomer waits for a short step,
+and is not kept out of the next one by a running chunk. Decode tokens are not capped.
 Waiting is not a timeout while the engine makes progress: requests wait in the order above, the queue's length is
 bounded (max_waiting, then 503 at once), and a busy engine frees pages as it finishes requests. Only a sequence
 refused pages at every step for wait_timeout_s while no page at all was freed (nothing can move) ends REJECTED
@@ -24,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvseal.config import SchedulerConfig
-from kvseal.engine.fairness import FairShare
+from kvseal.engine.fairness import FairShare, held_pages
 from kvseal.engine.sequence import Sequence
 from kvseal.kv.allocator import OutOfPages, PageAllocator, pages_for
 from kvseal.kv.prefix_cache import PrefixCache
@@ -75,18 +80,21 @@ class Scheduler:
         batch, preempted = Batch(), []
         now = time.monotonic()
         budget = self.cfg.max_num_batched_tokens
+        busy = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
+        contended = self.fair.contended(busy, now)
+        # prompt tokens (chunks, recompute) the running may still take this step; decode tokens are not capped
+        chunk = self.cfg.contended_chunk_tokens if contended else budget
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq not in self.running:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._tokens(seq, budget, chunk)
+            if n == 0:
+                continue
             while not self._grow(seq, seq.num_computed + n):
                 victim = self.fair.victim(self.running)
-                if victim in batch.seqs:  # already given its tokens this step: they go back to the budget
-                    taken = batch.remove(victim)
-                    self.fair.charge(victim, taken, sign=-1)
-                    budget += taken
+                budget += self._unbatch(victim, batch)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -95,22 +103,32 @@ class Scheduler:
                 self.fair.charge(seq, n)
                 batch.add(seq, n)
                 budget -= n
+                chunk -= n if n > 1 else 0
+        squeezed = bool(preempted)  # pages ran out for the running: admit nothing new this step
+        if contended:  # the waiting get a cap of their own: a newcomer is not kept out by a running chunk
+            chunk = self.cfg.contended_chunk_tokens
         considered: set[int] = set()
         for seq in self.fair.admission_order(self.waiting):
-            if budget == 0 or preempted or len(self.running) >= self.cfg.max_num_seqs:
+            if budget == 0 or squeezed or len(self.running) >= self.cfg.max_num_seqs:
                 break
             considered.add(id(seq))
+            n = self._tokens(seq, budget, chunk)
+            if n == 0:
+                continue
             hit = self._reuse_cached(seq) if not seq.pages and seq.num_computed == 0 else 0
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._tokens(seq, budget, chunk)
             # one that does not fit now is skipped, not waited on: a long recompute at the head of the queue
             # must not block a request that already holds its pages (a verified handoff on decode)
-            if not self._within_share(seq) or not self._grow(seq, seq.num_computed + n):
+            fits = self._within_share(seq) and (self._grow(seq, seq.num_computed + n)
+                                                or self._make_room(seq, n, batch, preempted))
+            if not fits:
                 if hit:
                     self.release(seq)  # retried from nothing next step; no reference stays held meanwhile
                     seq.num_computed = 0
                 if seq.blocked_since is None:
                     seq.blocked_since = now
                 continue
+            budget = self.cfg.max_num_batched_tokens - sum(batch.num_new)  # room made may have given some back
             self.reused_tokens += hit
             seq.blocked_since = None
             self.waiting.remove(seq)
@@ -123,10 +141,45 @@ class Scheduler:
             self.fair.charge(seq, n)
             batch.add(seq, n)
             budget -= n
+            chunk -= n if n > 1 else 0
         for seq in self.waiting:
             if id(seq) not in considered:
                 seq.blocked_since = None  # not reached this step: queued behind compute, not refused pages
         return batch, preempted
+
+    def _tokens(self, seq: Sequence, budget: int, chunk: int) -> int:
+        """The tokens seq may feed this step: one to decode, else a chunk within both the budget and the cap."""
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        return n if n <= 1 else min(n, max(chunk, 0))
+
+    def _unbatch(self, victim: Sequence, batch: Batch) -> int:
+        """Take a victim's tokens back out of this step's batch (uncharged); returns them, for the budget."""
+        if victim not in batch.seqs:
+            return 0
+        taken = batch.remove(victim)
+        self.fair.charge(victim, taken, sign=-1)
+        return taken
+
+    def _make_room(self, seq: Sequence, n: int, batch: Batch, preempted: list[Sequence]) -> bool:
+        """vtc: preempt running requests of tenants over their fair share of the pool until seq's next n tokens
+        fit (fairness.room_victim decides whether seq may ask and whom it takes from). True when they fit."""
+        held = held_pages([*self.running, *self.waiting])
+        weights = {s.tenant: s.weight for s in [*self.running, *self.waiting]}
+        while (victim := self.fair.room_victim(
+                self.running, seq.tenant, seq.priority_class, pages_for(seq.num_computed + n, self.page_size)
+                - len(seq.pages), held, weights, self.allocator.num_pages)) is not None:
+            held[victim.tenant] -= len(victim.pages)
+            self._unbatch(victim, batch)
+            self._preempt(victim)
+            preempted.append(victim)
+            if self._grow(seq, seq.num_computed + n):
+                return True
+        return False
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt a running sequence outside a step (decode's reservations make room): pages scrubbed and freed,
+        recomputed later, its output so far kept."""
+        self._preempt(seq)
 
     def _within_share(self, seq: Sequence) -> bool:
         """Whether seq may start without its tenant passing its kv_share of the pool. Invariant: the pages a tenant's

@@ -7,9 +7,12 @@ the reserved pages, and tells the router; not one token is produced from unverif
 A reservation that finds no free pages waits (bounded by --max-waiting, then 503). The next one granted is the
 one the engine's fairness would admit next (engine/fairness.py: with vtc, of the tenant served least; within a
 tenant by priority, then arrival; with off, arrival order), and only when it fits: no other request takes pages
-ahead of it. A tenant with a kv_share holds at most that share of the pool in reservations and requests (at
+ahead of it. With vtc, a reservation of a tenant within its fair share of the pool that finds no room preempts
+decoding requests of the tenant most over its share (recomputed here later, their output so far kept:
+DecodeEngine.make_room). A tenant with a kv_share holds at most that share of the pool in reservations and requests (at
 their longest); its further reservations wait without holding back other tenants'. Each request's deltas are
-numbered for the router's continuity check.
+numbered for the router's continuity check. While tenants compete (vtc), a reservation is granted to a tenant only
+while its requests here stay within its fair share of the pool (DecodeEngine.within_fair_reservations).
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ class DecodeWorker(WorkerServer):
                 self.counters["requests_received"] += 1
                 try:
                     self.refuse_new()
-                    if self.queue or not self._fits_now(req) or not self.dengine.within_share(req):
+                    self.dengine.scheduler.fair.seen(req.tenant, req.weight, time.monotonic())
+                    if self.queue or not self._fits_now(req) or not self._may_reserve(req):
                         self._enqueue(_Queued(ident, cid, req))
                         return
                     self._reserve(_Queued(ident, cid, req))
@@ -104,7 +108,14 @@ class DecodeWorker(WorkerServer):
 
     # -- reservations in arrival order -----------------------------------------------------------------
     def _fits_now(self, req: GenerateRequest) -> bool:
-        return self.dengine.pages_available() >= self.dengine.pages_for_prompt(len(req.prompt_ids))
+        return self.dengine.pages_available(req) >= self.dengine.pages_for_prompt(len(req.prompt_ids))
+
+    def _may_reserve(self, req: GenerateRequest) -> bool:
+        return self.dengine.within_share(req) and self.dengine.within_fair_reservations(req)
+
+    def _fits_with_room(self, req: GenerateRequest) -> bool:
+        """It fits now, or (vtc) once requests of tenants over their fair share were preempted for it."""
+        return self._fits_now(req) or self.dengine.make_room(req)
 
     def _enqueue(self, q: _Queued) -> None:
         limit = self.dengine.cfg.scheduler.max_waiting
@@ -130,14 +141,14 @@ class DecodeWorker(WorkerServer):
     def _next_queued(self) -> _Queued | None:
         """The reservation to grant next: of those whose tenant stays within its kv_share, the one fairness picks
         (a tenant at its share waits without holding back the others)."""
-        ready = [q for q in self.queue if self.dengine.within_share(q.request)]
+        ready = [q for q in self.queue if self._may_reserve(q.request)]
         if not ready:
             return None
         return self.dengine.scheduler.fair.pick(ready, lambda q: (
             q.request.tenant, q.request.priority_class, q.request.priority, q.since))
 
     def _grant_queued(self) -> None:
-        while (q := self._next_queued()) is not None and self._fits_now(q.request):
+        while (q := self._next_queued()) is not None and self._fits_with_room(q.request):
             self.queue.remove(q)
             try:
                 self._reserve(q)

@@ -143,6 +143,7 @@ class WorkerServer:
                 self.pump()
             except Exception:  # a fault in moving KV must not end the process
                 log.exception("moving KV failed")
+            self.route(self.engine.take_output())  # e.g. a first token that arrived with its KV: not after a step
             if self.engine.has_work():
                 try:
                     out = self.engine.step()

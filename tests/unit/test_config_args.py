@@ -26,7 +26,8 @@ NOT_DEFAULT = {
     "kernels": "torch", "arithmetic": "exact", "page_size": 32, "pool_tokens": 4096, "pool_bytes": None,
     "scrub": False, "kv_dtype": "float32", "prefix_cache": False,
     "window_pages": False, "max_num_seqs": 8, "max_num_batched_tokens": 128,
-    "max_waiting": 7, "wait_timeout_s": 5.0, "fairness": "off", "grammar_compilers": 3, "grammar_timeout_s": 2.5,
+    "max_waiting": 7, "wait_timeout_s": 5.0, "fairness": "off", "contended_chunk_tokens": 64,
+    "grammar_compilers": 3, "grammar_timeout_s": 2.5,
     "grammar_max_bytes": 999, "seed": 11,
 }
 
