@@ -47,7 +47,7 @@ from kvseal.transfer.manifest import (
 )
 from tests.helpers.transports import KV_TRANSPORTS
 
-pytestmark = [pytest.mark.integration, pytest.mark.serial]  # serial: measures time (scripts/test.sh)
+pytestmark = pytest.mark.integration
 
 L, P, S, KVH, D = 3, 16, 4, 2, 8
 FP = "fp-test"
