@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.errors import ErrorInfo
+from kvseal.kv.spec import KVSpec
 from kvseal.transfer.manifest import KVManifest, PagePayload, Reservation, build_manifest
 from kvseal.transfer.zmq import TransferHeader, TransferReply
 from kvseal.worker import protocol as P
@@ -107,8 +108,7 @@ class Fleet(LoopbackFleet):
         k, v = bytearray(os.urandom(n * page_bytes)), bytearray(os.urandom(n * page_bytes))
         payload = PagePayload.from_buffers(bytes(k), bytes(v), n)
         m = build_manifest(res, payload, num_tokens=res.num_tokens, first_token=first_token,
-                           model_fingerprint=res.model_fingerprint, page_size=res.page_size, kv_dtype=res.kv_dtype,
-                           kv_layout=res.kv_layout)
+                           kv=res.kv)
         return m, k, v
 
     def call_decode(self, msg: P.Message, timeout: float = 10.0) -> P.Message:
@@ -162,8 +162,9 @@ errors = st.builds(ErrorInfo, kind=st.sampled_from(["InvalidRequest", "Nope", "K
 def reservations(kv: str) -> st.SearchStrategy[Any]:
     endpoints = st.sampled_from([kv, "tcp://127.0.0.1:1", "tcp://[::1", "ipc:///nonexistent/x", "nonsense", ""])
     return st.builds(Reservation, request_id=rids, reservation_id=st.text(max_size=8), nonce=st.text(max_size=8),
-                     num_tokens=ints, page_ids=st.lists(ints, max_size=8), model_fingerprint=st.text(max_size=8),
-                     page_size=ints, kv_dtype=st.text(max_size=8), kv_layout=st.text(max_size=8),
+                     num_tokens=ints, page_ids=st.lists(ints, max_size=8),
+                     kv=st.builds(KVSpec, model_fingerprint=st.text(max_size=8), page_size=ints,
+                                  kv_dtype=st.text(max_size=8), kv_layout=st.text(max_size=8)),
                      kv_endpoint=endpoints)
 
 
@@ -269,7 +270,8 @@ def kv_frames(draw: st.DrawFn, fleet: Fleet) -> tuple[list[bytes], str | None, b
     fields = draw(st.dictionaries(st.sampled_from(["num_tokens", "num_pages", "first_token", "page_size"]), ints,
                                   max_size=2))
     if kind == "mutated_manifest":
-        m = msgspec.structs.replace(m, **fields)
+        kv = msgspec.structs.replace(m.kv, **{f: fields.pop(f) for f in list(fields) if f == "page_size"})
+        m = msgspec.structs.replace(m, kv=kv, **fields)
     elif kind == "mutated_payload":
         k[draw(st.integers(0, len(k) - 1))] ^= 0xFF
     header = msgspec.msgpack.encode(TransferHeader(transfer_id=draw(st.text(max_size=8)), manifest=m))
