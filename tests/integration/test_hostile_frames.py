@@ -25,6 +25,7 @@ from kvseal.kv.spec import KVSpec
 from kvseal.transfer.manifest import KVManifest, PagePayload, Reservation, build_manifest
 from kvseal.transfer.zmq import TransferHeader, TransferReply
 from kvseal.worker import protocol as P
+from tests.helpers.cards import CARD
 from tests.helpers.fleet import LoopbackFleet, module_fleet
 from tests.helpers.procs import wait_until
 
@@ -78,7 +79,7 @@ class Fleet(LoopbackFleet):
             if s.poll(100):
                 answer = P.decode(s.recv())  # the worker's own answers are well-formed
                 if isinstance(answer, P.InfoResp) and answer.call_id == call_id:
-                    return int(answer.info["frames_refused"])
+                    return int(answer.figures["frames_refused"])
         raise AssertionError(f"the {target} worker did not answer an InfoReq after {frames!r}")
 
     def kv_replies(self, transfer_id: str | None, timeout: float = 10.0) -> list[TransferReply]:
@@ -179,7 +180,7 @@ def control_messages(kv: str) -> st.SearchStrategy[P.Message]:
         st.builds(P.AbortReq, request_id=rids, error=errors),
         st.builds(P.DeltaMsg, delta=st.builds(lambda r: __import__("kvseal.engine.messages").engine.messages
                                               .GenerateDelta(r, [], ""), rids), seq=ints),
-        st.builds(P.InfoResp, call_id=cid, info=st.just({})),
+        st.builds(P.InfoResp, call_id=cid, card=st.just(CARD), draining=st.booleans(), figures=st.just({})),
         st.builds(P.JoinReq, call_id=cid, role=st.text(max_size=8), endpoint=st.text(max_size=8)),
         st.builds(P.DrainResp, call_id=cid, inflight=ints),
     )
