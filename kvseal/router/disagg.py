@@ -128,6 +128,9 @@ class DisaggBackend:
                 try:
                     cards.append((w.name, (await w.fetch_info(timeout=2.0)).card))
                     break
+                except CapacityMismatch as err:  # its card does not decode: another kvseal version
+                    log.error("refusing to start: %s", err.message)
+                    raise
                 except WorkerFailed:
                     if time.monotonic() > deadline:
                         raise WorkerFailed(f"{w.name} did not come up within {self.startup_timeout_s:g}s")

@@ -119,6 +119,9 @@ class WorkerClient:
             except WorkerFailed as err:
                 self._lose(err.message)
                 return
+            except CapacityMismatch as err:  # its answer does not decode (a card missing a field): another version
+                self.member.move(Standing.REFUSED, err.message)
+                return
             self.instance = resp.card.instance
             try:
                 self.check(self, resp.card)
@@ -156,6 +159,10 @@ class WorkerClient:
                 resp = await self.fetch_info(timeout=self.dead_after_s if self.member.connected else 2.0)
             except WorkerFailed:
                 self._lose(f"{self.name} stopped answering (dead or unreachable)")
+                continue
+            except CapacityMismatch:  # an answer it cannot read: refused (once) with the reason, by join()
+                if self.member.standing is not Standing.REFUSED:
+                    await self.join()
                 continue
             st = self.member.standing
             if resp.card.instance != self.instance or st in (Standing.LOST, Standing.LEFT, Standing.CONNECTING):
@@ -232,6 +239,11 @@ class WorkerClient:
                 msg = P.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.warning("%s sent a malformed message: %s", self.name, exc)
+                fut = self._calls.get(P.call_id_of(data) or 0)
+                if fut is not None and not fut.done():
+                    fut.set_exception(CapacityMismatch(
+                        f"{self.name} answered with a message this router cannot read ({exc}): it runs another "
+                        f"kvseal version. Fix: run one kvseal version on the router and every worker."))
                 continue
             match msg:
                 case P.HandoffStarted(request_id=rid):

@@ -177,6 +177,19 @@ def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
+class _CallId(msgspec.Struct):
+    call_id: int | None = None
+
+
+def call_id_of(data: bytes) -> int | None:
+    """The call id in a frame that did not decode (a peer of another kvseal version, e.g. a card missing a field),
+    so that its call fails at once with the reason instead of timing out; None when there is none to read."""
+    try:
+        return msgspec.msgpack.decode(data, type=_CallId).call_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 def decode(data: bytes) -> Message:
     """Raises msgspec.ValidationError / DecodeError for a malformed or unknown message."""
     msg = _decoder.decode(data)

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 
 from kvseal.kv.spec import KVSpec
+from kvseal.router.membership import Standing
+from kvseal.router.workers import WorkerClient
 from kvseal.transfer.manifest import Reservation
 from kvseal.worker import protocol as P
 from kvseal.worker.card import WorkerCard
@@ -64,3 +72,47 @@ def test_info_json_keeps_the_keys_info_always_had() -> None:
 def test_a_figure_never_hides_a_card_field() -> None:
     out = _info(CARD, page_size=999, free_pages=3).to_json()
     assert out["page_size"] == 16 and out["free_pages"] == 3 and out["draining"] is False
+
+
+def test_a_worker_whose_card_does_not_decode_is_refused_at_once_with_the_reason() -> None:
+    """A worker of another kvseal version (its card lacks a field) answers an info request with a frame the router
+    cannot read: its join is refused at once, saying why, instead of waiting for an answer that never decodes."""
+    old = {k: v for k, v in msgspec.to_builtins(CARD).items() if k != "tokenizer_digest"}
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if sock.poll(50):
+                ident, data = sock.recv_multipart()
+                msg = P.decode(data)
+                assert isinstance(msg, P.InfoReq)
+                sock.send_multipart([ident, msgspec.msgpack.encode(
+                    {"kind": "info", "v": 1, "call_id": msg.call_id, "card": old, "draining": False, "figures": {}})])
+
+    async def join() -> tuple[Standing, str]:
+        actx = zmq.asyncio.Context()
+        w = WorkerClient("prefill", f"tcp://127.0.0.1:{port}", actx, check=lambda w, c: None)
+        w.open()
+        try:
+            t0 = time.monotonic()
+            await w.join()
+            assert time.monotonic() - t0 < 5  # refused on the answer, not after the 10 s info timeout
+            return w.member.standing, w.member.reason
+        finally:
+            await w.close()
+            actx.term()
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        standing, reason = asyncio.run(join())
+    finally:
+        stop.set()
+        server.join()
+        sock.close(0)
+        ctx.term()
+    assert standing is Standing.REFUSED
+    assert "another kvseal version" in reason and "tokenizer_digest" in reason, reason
