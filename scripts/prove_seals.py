@@ -174,7 +174,7 @@ MUTATIONS = [
      ["tests/unit/test_manifest.py::test_verify_refuses_each_mismatch"], False),
     ("7 the fleet agrees on the KV spec, kernels and arithmetic (the worker card's fields)",
      "kvseal/router/registry.py",
-     "    differ = ref.differences(theirs_a)\n",
+     "    differ = ref.differences(agreement)\n",
      "    differ: list[tuple[str, object, object]] = []\n",
      ["tests/unit/test_registry.py::test_a_worker_that_differs_in_any_field_is_refused"], False),
     ("4 the first token is range-checked", "kvseal/transfer/manifest.py",

@@ -68,8 +68,8 @@ def check_fleet(cards: list[tuple[str, WorkerCard]], window: int) -> None:
         _check_pool(name, card, window)
 
 
-def _check_agree(ref_name: str, ref: Agreement, name: str, theirs_a: Agreement) -> None:
-    differ = ref.differences(theirs_a)
+def _check_agree(ref_name: str, ref: Agreement, name: str, agreement: Agreement) -> None:
+    differ = ref.differences(agreement)
     if differ:
         theirs = ", ".join(f"{key}={b!r}" for key, _, b in differ)
         ours = ", ".join(f"{key}={a!r}" for key, a, _ in differ)
@@ -77,7 +77,7 @@ def _check_agree(ref_name: str, ref: Agreement, name: str, theirs_a: Agreement) 
             f"{name} has {theirs} but {ref_name} has {ours}: KV computed by one cannot be used by the "
             f"other. Fix: start every worker with the same model, --page-size, --dtype, --kv-dtype, --kernels "
             f"and --arithmetic.")
-    theirs_t, ours_t = theirs_a.kv_transport, ref.kv_transport
+    theirs_t, ours_t = agreement.kv_transport, ref.kv_transport
     if theirs_t != ours_t:
         raise CapacityMismatch(
             f"{name} moves KV with --kv-transport {theirs_t} but {ref_name} with --kv-transport {ours_t}: a prefill "
