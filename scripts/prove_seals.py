@@ -156,9 +156,9 @@ MUTATIONS = [
      "    if len(ids) + max_tokens > window:",
      "    if False:",
      ["tests/unit/test_window_check.py"], False),
-    ("3 a prefill refusal releases the reservation", "kvseal/router/disagg.py",
-     "            if decode is not None:\n                await self._safe_notify(decode, P.ReleaseReq(",
-     "            if False:\n                await self._safe_notify(decode, P.ReleaseReq(",
+    ("3 a prefill refusal releases the reservation", "kvseal/router/disagg_request.py",
+     "        if self.decode is not None:\n            await _safe_notify(self.decode, P.ReleaseReq(",
+     "        if False:\n            await _safe_notify(self.decode, P.ReleaseReq(",
      ["tests/integration/test_disagg_handoff.py::test_prefill_refusal_reaches_client_with_its_error_and_moves_nothing[zmq]"],
      True),
     # the one pool check behind both the start-up check (check_fleet) and every join (check_worker)

@@ -4,18 +4,24 @@ import os
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# `kvseal serve` keeps a forensic ledger by default: the servers tests start keep theirs in a temp folder
-os.environ.setdefault("KVSEAL_DATA_DIR", tempfile.mkdtemp(prefix="kvseal-test-data-"))
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# the weights caches (model/weight_cache.py) the tests build go to a folder of their own, removed at the end
-if "KVSEAL_WEIGHTS_CACHE_DIR" not in os.environ:
-    os.environ["KVSEAL_WEIGHTS_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvseal-test-weights-")
-_WEIGHTS = os.environ["KVSEAL_WEIGHTS_CACHE_DIR"]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The servers tests start keep their forensic ledger (`kvseal serve` keeps one by default) and the weights caches
+# they build (model/weight_cache.py) in temp folders of this test process, removed at its end. Each pytest-xdist
+# worker makes its own: a worker inherits the folders of the process that started it, and whichever finished
+# first would remove them under the other. A pytest that a test starts (scripts/prove_seals.py's) shares its
+# parent's, caches included; a user's own KVSEAL_DATA_DIR / KVSEAL_WEIGHTS_CACHE_DIR is kept.
+_TEMP = {"KVSEAL_DATA_DIR": "kvseal-test-data-", "KVSEAL_WEIGHTS_CACHE_DIR": "kvseal-test-weights-"}
+_OWN: list[str] = []
+for _var, _prefix in _TEMP.items():
+    _mine = _prefix + os.environ.get("PYTEST_XDIST_WORKER", "main") + "-"
+    _given = os.path.basename(os.environ.get(_var, _prefix))
+    if _given == _prefix or (_given.startswith(_prefix) and not _given.startswith(_mine)):
+        os.environ[_var] = tempfile.mkdtemp(prefix=_mine)
+        _OWN.append(os.environ[_var])
 
 
 import shutil
-from collections.abc import Iterator
 
 import pytest
 
@@ -31,11 +37,22 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         image_build.start()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _remove_weights_caches() -> Iterator[None]:
-    yield
-    if os.path.basename(_WEIGHTS).startswith("kvseal-test-weights-"):
-        shutil.rmtree(_WEIGHTS, ignore_errors=True)
+# The longest files (minutes each on 2 cores). On parallel workers (scripts/test.sh: pytest-xdist, whole files to a
+# worker, handed out in collection order) they start first, so that no worker is left with one of them at the end.
+LONG_FIRST = ("tests/integration/test_seal_proofs.py", "tests/e2e/test_audit_incident.py",
+              "tests/e2e/test_correctness.py", "tests/e2e/test_real_qwen.py", "tests/integration/test_soak.py",
+              "tests/integration/test_faults.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("numprocesses", None) or os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {path: i for i, path in enumerate(LONG_FIRST)}
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONG_FIRST)))  # stable: else as is
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for folder in _OWN:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

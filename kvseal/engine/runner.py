@@ -59,121 +59,121 @@ class ModelRunner:
         seqs = [(s, n) for s, n in zip(batch.seqs, batch.num_new) if id(s) not in bad]
         if not seqs:
             return StepResult([], None, violations)
-        if self.model.fast:
-            return self._run_fast(seqs, violations, all_logits)
-        ids: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        sampled: list[Sequence] = []
-        for seq, n in seqs:
-            start, end = seq.num_computed, seq.num_computed + n
-            ids.extend(seq.token_slice(start, end))
-            positions.extend(range(start, end))
-            if end == seq.num_tokens:
-                logits_rows.append(len(ids) - 1)
-                sampled.append(seq)
-        meta = self._meta(seqs, lambda s: (s.pages, 0))
-        if self.window is not None:  # the sliding layers read their own tables, from their first kept page
-            meta.window = self._meta(seqs, lambda s: (s.window_pages, s.window_base))
-        if all_logits:
-            logits_rows = list(range(len(ids)))
-        if not logits_rows:
-            logits_rows_t = torch.empty(0, dtype=torch.long, device=self.device)
-        else:
-            logits_rows_t = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        flat = _flatten(seqs, all_logits)
+        # one metadata builder per kernel set: the fast kernels' spans and flat tables, or torch's masks and
+        # padded decode tables; the sliding layers read their own tables, from their first kept page
+        build = self._spans if self.model.fast else self._meta
+        meta = build(seqs, lambda s: (s.pages, 0))
+        if self.window is not None:
+            meta.window = build(seqs, lambda s: (s.window_pages, s.window_base))
         logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.k_layers, self.v_layers, meta, logits_rows_t,
+            torch.tensor(flat.ids, dtype=torch.long, device=self.device),
+            torch.tensor(flat.positions, dtype=torch.long, device=self.device),
+            self.k_layers, self.v_layers, meta,
+            torch.tensor(flat.logits_rows, dtype=torch.long, device=self.device),
         )
         for seq, n in seqs:
             seq.num_computed += n
-        return StepResult(sampled, logits if sampled or all_logits else None, violations)
+        return StepResult(flat.sampled, logits if flat.sampled or all_logits else None, violations)
 
-    def _meta(self, seqs: list[tuple[Sequence, int]],
-              table_of: Callable[[Sequence], tuple[list[int], int]]) -> AttentionMeta:
-        """Slots and page tables for one pool. table_of(seq) -> (pages, base): pages[j] holds positions
-        (base + j) * S .. + S - 1 (base > 0: the window pool's table, whose earlier pages were dropped). Positions
-        in the meta are relative to base * S; attention needs nothing else (causal and window masks are the same
-        under a shift)."""
+    def _rows(self, seqs: list[tuple[Sequence, int]], table_of: Callable[[Sequence], tuple[list[int], int]],
+              ) -> tuple[list[int], list[_Rows]]:
+        """The slot of every row fed this step, and each sequence's rows against one pool's table. table_of(seq) ->
+        (pages, base): pages[j] holds positions (base + j) * S .. + S - 1 (base > 0: the window pool's table, whose
+        earlier pages were dropped). Positions are relative to base * S: attention needs nothing else (causal and
+        window masks are the same under a shift)."""
         ps = self.pool.page_size
         slots: list[int] = []
-        decode: list[tuple[int, list[int], int]] = []  # (row, table, kv_len)
-        prefills: list[PrefillSpan] = []
+        rows: list[_Rows] = []
         row0 = 0
         for seq, n in seqs:
             table, base = table_of(seq)
-            off = base * ps
-            start, end = seq.num_computed - off, seq.num_computed + n - off
-            slots.extend(table[p // ps] * ps + p % ps for p in range(start, end))
-            if n == 1:
-                decode.append((row0, table[: pages_for(end, ps)], end))
-            else:
-                pages = torch.tensor(table[: pages_for(end, ps)], dtype=torch.long)
-                mask = None
-                if start > 0:  # a later chunk: queries at start..end-1 see keys 0..their own position
-                    qpos = torch.arange(start, end)[:, None]
-                    mask = (torch.arange(end)[None, :] <= qpos).to(self.device)
-                prefills.append(PrefillSpan(row0, n, end, pages.to(self.device), mask))
+            start = seq.num_computed - base * ps
+            end = start + n
+            slots += (table[p // ps] * ps + p % ps for p in range(start, end))
+            rows.append(_Rows(row0, n, table[: pages_for(end, ps)], start, end))
             row0 += n
+        return slots, rows
+
+    def _meta(self, seqs: list[tuple[Sequence, int]],
+              table_of: Callable[[Sequence], tuple[list[int], int]]) -> AttentionMeta:
+        """torch attention's metadata for one pool: padded tables and masks for the decode rows, one span (and a
+        causal mask for a later chunk) per prefill."""
+        ps = self.pool.page_size
+        slots, rows = self._rows(seqs, table_of)
+        decode = [r for r in rows if r.n == 1]
+        prefills: list[PrefillSpan] = []
+        for r in rows:
+            if r.n == 1:
+                continue
+            mask = None
+            if r.start > 0:  # a later chunk: queries at start..end-1 see keys 0..their own position
+                qpos = torch.arange(r.start, r.end)[:, None]
+                mask = (torch.arange(r.end)[None, :] <= qpos).to(self.device)
+            prefills.append(PrefillSpan(r.row0, r.n, r.end, torch.tensor(r.table, dtype=torch.long).to(self.device),
+                                        mask))
         meta = AttentionMeta(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             decode_rows=None, decode_pages=None, decode_mask=None, decode_kv_lens=None, prefills=prefills,
         )
         if decode:
-            max_pages = max(len(t) for _, t, _ in decode)
+            max_pages = max(len(r.table) for r in decode)
             # pad each row with its own last page: a padded slot is masked out and never another request's
-            padded = [t + [t[-1]] * (max_pages - len(t)) for _, t, _ in decode]
-            kv_lens = torch.tensor([kv for _, _, kv in decode])
+            padded = [r.table + [r.table[-1]] * (max_pages - len(r.table)) for r in decode]
+            kv_lens = torch.tensor([r.end for r in decode])
             mask = torch.arange(max_pages * ps)[None, :] < kv_lens[:, None]
-            meta.decode_rows = torch.tensor([r for r, _, _ in decode], dtype=torch.long, device=self.device)
+            meta.decode_rows = torch.tensor([r.row0 for r in decode], dtype=torch.long, device=self.device)
             meta.decode_pages = torch.tensor(padded, dtype=torch.long, device=self.device)
             meta.decode_mask = mask[:, None, None, :].to(self.device)
             meta.decode_kv_lens = kv_lens.to(self.device)
         return meta
 
-    def _run_fast(self, seqs: list[tuple[Sequence, int]], violations: list[Sequence], all_logits: bool) -> StepResult:
-        """The fast arithmetic's batch: flat rows plus one span per sequence for the one attention call."""
-        ids: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        sampled: list[Sequence] = []
-        for seq, n in seqs:
-            start, end = seq.num_computed, seq.num_computed + n
-            ids += seq.token_slice(start, end)
-            positions += range(start, end)
-            if end == seq.num_tokens:
-                logits_rows.append(len(ids) - 1)
-                sampled.append(seq)
-        if all_logits:
-            logits_rows = list(range(len(ids)))
-        meta = self._spans(seqs, lambda s: (s.pages, 0))
-        if self.window is not None:
-            meta.window = self._spans(seqs, lambda s: (s.window_pages, s.window_base))
-        logits = self.model.forward(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                                    self.k_layers, self.v_layers, meta, torch.tensor(logits_rows, dtype=torch.long))
-        for seq, n in seqs:
-            seq.num_computed += n
-        return StepResult(sampled, logits if sampled or all_logits else None, violations)
-
     def _spans(self, seqs: list[tuple[Sequence, int]],
                table_of: Callable[[Sequence], tuple[list[int], int]]) -> AttentionMeta:
-        """The fast attention's slots, spans and tables for one pool (table_of and positions as in _meta)."""
-        ps = self.pool.page_size
-        slots: list[int] = []
-        spans: list[int] = []  # 5 per sequence: first row, rows, first position, offset in tables, pages
+        """The fast attention's metadata for one pool: one span per sequence (first row, rows, first position,
+        offset in tables, pages) over one flat list of tables."""
+        slots, rows = self._rows(seqs, table_of)
+        spans: list[int] = []
         tables: list[int] = []
-        row0 = 0
-        for seq, n in seqs:
-            table, base = table_of(seq)
-            off = base * ps
-            start, end = seq.num_computed - off, seq.num_computed + n - off
-            npages = pages_for(end, ps)
-            spans += (row0, n, start, len(tables), npages)
-            tables += table[:npages]
-            slots += (table[p // ps] * ps + p % ps for p in range(start, end))
-            row0 += n
+        for r in rows:
+            spans += (r.row0, r.n, r.start, len(tables), len(r.table))
+            tables += r.table
         return AttentionMeta(slot_mapping=torch.tensor(slots, dtype=torch.long), decode_rows=None,
                              decode_pages=None, decode_mask=None, decode_kv_lens=None, prefills=[],
                              spans=torch.tensor(spans, dtype=torch.long).view(-1, 5),
                              tables=torch.tensor(tables, dtype=torch.long))
+
+
+@dataclass
+class _Rows:
+    """One sequence's rows in a step, against one pool's table (positions relative to the table's base)."""
+
+    row0: int  # its first row in the flat batch
+    n: int  # rows (tokens fed)
+    table: list[int]  # the pages that hold positions 0..end-1 (relative)
+    start: int  # the first position fed
+    end: int  # one past the last
+
+
+@dataclass
+class _Flat:
+    """A step's batch flattened once, whatever the kernels: one row per token fed."""
+
+    ids: list[int]
+    positions: list[int]
+    logits_rows: list[int]  # the rows whose logits are returned, in order
+    sampled: list[Sequence]  # the sequences whose next token is due (all_logits: still only those)
+
+
+def _flatten(seqs: list[tuple[Sequence, int]], all_logits: bool) -> _Flat:
+    flat = _Flat([], [], [], [])
+    for seq, n in seqs:
+        start, end = seq.num_computed, seq.num_computed + n
+        flat.ids += seq.token_slice(start, end)
+        flat.positions += range(start, end)
+        if end == seq.num_tokens:
+            flat.logits_rows.append(len(flat.ids) - 1)
+            flat.sampled.append(seq)
+    if all_logits:
+        flat.logits_rows = list(range(len(flat.ids)))
+    return flat

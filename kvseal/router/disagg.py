@@ -34,64 +34,36 @@ from kvseal.auth.zap import ZapHandler
 from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.errors import (
     CapacityMismatch,
-    ErrorInfo,
     KvsealError,
     NoWorkerAvailable,
-    Overloaded,
-    RequestAborted,
-    StreamBroken,
-    TransferTimeout,
-    WorkerDraining,
     WorkerFailed,
 )
 from kvseal.hooks import NO_FAULTS, Hooks
 from kvseal.identity import tokenizer_digest
 from kvseal.ledger.store import Ledger, LedgerRow
-from kvseal.lifecycle import FinishReason, Lifecycle, State
+from kvseal.lifecycle import Lifecycle, State
 from kvseal.model.tokenizer import Tokenizer
 from kvseal.router.affinity import PrefixAffinity
+from kvseal.router.disagg_request import DEFAULT_TIMEOUTS, DisaggRequest, HandoffTimeouts
 from kvseal.router.registry import FleetSpec, check_fleet, check_worker, served_window
 from kvseal.router.workers import WorkerClient
 from kvseal.worker import protocol as P
 from kvseal.worker.card import WorkerCard
 
 log = logging.getLogger("kvseal.router")
-_PICK_ATTEMPTS = 4  # a decode worker that started draining after it was picked: pick another
-
-
-_HANDOFF = (State.TRANSFERRING, State.VERIFIED, State.DECODING)  # the router's states after PREFILLING
-
-
-def _advance_to(life: Lifecycle, stage: str | None) -> None:
-    """Move a PREFILLING request along the handoff up to `stage`, decode's word for where the request was when it
-    ended (or DECODING for its first output); a stage before the handoff, or unknown, moves nothing."""
-    reached = next((i for i, s in enumerate(_HANDOFF) if s.value == stage), -1)
-    for s in _HANDOFF[: reached + 1]:
-        life.advance(s)
-
-
-def _finish_reason(final: str, worker: str) -> FinishReason:
-    try:
-        return FinishReason(final)
-    except ValueError:
-        raise WorkerFailed(f"{worker} ended the request with {final[:40]!r}, which is neither stop, length nor an "
-                           f"error; the answer is incomplete") from None
-
-
 class DisaggBackend:
     def __init__(self, tokenizer: Tokenizer, model_name: str | None, prefill: list[str], decode: list[str],
                  max_model_len: int | None = None, startup_timeout_s: float = 300.0,
-                 handoff_timeout_s: float = 600.0, stall_timeout_s: float = 120.0, renew_every_s: float = 10.0,
-                 hooks: Hooks = NO_FAULTS, fleet_bind: str | None = None, ledger: Ledger | None = None,
-                 keys: MemberKeys | None = None, server_keys: dict[str, str] | None = None) -> None:
+                 timeouts: HandoffTimeouts = DEFAULT_TIMEOUTS, hooks: Hooks = NO_FAULTS,
+                 fleet_bind: str | None = None, ledger: Ledger | None = None, keys: MemberKeys | None = None,
+                 server_keys: dict[str, str] | None = None) -> None:
         self.tokenizer = tokenizer
         self._name = model_name
         self.model_name = model_name or ""
         self.prefill_eps, self.decode_eps = prefill, decode
         self.max_model_len = max_model_len
-        self.startup_timeout_s, self.handoff_timeout_s = startup_timeout_s, handoff_timeout_s
-        self.stall_timeout_s = stall_timeout_s
-        self.renew_every_s = renew_every_s  # at most this, and at most a quarter of decode's reservation timeout
+        self.startup_timeout_s = startup_timeout_s
+        self.timeouts = timeouts  # of one request's handoff and stream (router/disagg_request.py)
         self.hooks = hooks
         self.fleet_bind = fleet_bind
         self.ledger = ledger  # the forensic ledger: one row per ended request (kvseal/ledger)
@@ -281,200 +253,38 @@ class DisaggBackend:
 
     async def generate(self, req: GenerateRequest,
                        pin: tuple[str, str] | None = None) -> AsyncGenerator[GenerateDelta, None]:
-        """pin: (prefill endpoint, decode endpoint) to use instead of the pairing policy (kvseal doctor)."""
-        rid = req.request_id
-        life = Lifecycle(rid)
-        self.lifecycles[rid] = life
-        life.advance(State.ADMITTED)
-        prefill = decode = where = None
-        reservation: Any = None
-        received = time.time()
-        q: asyncio.Queue[GenerateDelta | ErrorInfo] | None = None
-        prefill_task: asyncio.Task[P.Message] | None = None
+        """One request, along the protocol (router/disagg_request.py). pin: (prefill endpoint, decode endpoint)
+        to use instead of the pairing policy (kvseal doctor)."""
+        r = DisaggRequest(req, self.timeouts)
+        self.lifecycles[req.request_id] = r.life
         try:
-            where = prefill = (self._pinned(self.prefills, "prefill", pin[0]) if pin
-                               else self._pick(self.prefills, "prefill", req))
-            prefill.inflight += 1
-            for attempt in range(_PICK_ATTEMPTS):
-                # the decode worker is known before the wait: a client that leaves while its request is queued
-                # there gets it aborted there (finally, below)
-                where = decode = self._pinned(self.decodes, "decode", pin[1]) if pin else self._pick(
-                    self.decodes, "decode")
-                decode.inflight += 1
-                reservation = await self._reserve(decode, req, last=attempt == _PICK_ATTEMPTS - 1)
-                if reservation is not None:
-                    break
-                decode.inflight -= 1
-                decode = None
-            assert decode is not None  # the last attempt raises instead of returning None
-            life.advance(State.RESERVED)
-            q = decode.subscribe(rid)
-            started = prefill.watch_handoff(rid)
-            life.advance(State.PREFILLING)
-            prefill_task = asyncio.ensure_future(prefill.call(
-                lambda cid: P.PrefillReq(call_id=cid, request=req, reservation=reservation), None))
-            first = True
+            await r.reserve(self._pinned(self.prefills, "prefill", pin[0]) if pin else
+                            self._pick(self.prefills, "prefill", req),
+                            lambda: self._pinned(self.decodes, "decode", pin[1]) if pin else
+                            self._pick(self.decodes, "decode"))
+            r.start_prefill()
             while True:
-                item, where = await self._next(q, prefill_task, started, prefill, decode, first, req)
-                if isinstance(item, ErrorInfo):
-                    if first and started.is_set():  # prefill said the KV left: it failed in the handoff
-                        _advance_to(life, State.TRANSFERRING.value)
-                    raise KvsealError.from_info(item)
-                if item.final is not None and item.error is not None:
-                    if first:  # ended on decode: the request got as far as decode says (a verification
-                        _advance_to(life, item.stage)  # failure: TRANSFERRING), not further
-                    raise KvsealError.from_info(item.error)
-                if first:
-                    _advance_to(life, State.DECODING.value)  # decode streams only after it verified the KV
-                    first = False
-                if item.final is not None:
-                    life.finish(_finish_reason(item.final, decode.name))
-                    cached = await self._prefill_settled(prefill_task, rid)
-                    item = msgspec.structs.replace(item, cached_tokens=cached)  # prefill's cache, not decode's
-                yield item
-                if item.final is not None:
+                delta = await r.next_delta()
+                yield delta
+                if delta.final is not None:
                     return
         except KvsealError as err:
-            before_transfer = life.state in (State.ADMITTED, State.RESERVED, State.PREFILLING)
-            stage = life.state
-            if isinstance(err, RequestAborted):
-                life.abort(err)
-            elif before_transfer and (err.status < 500 or isinstance(err, Overloaded)):
-                life.reject(err)
-            else:
-                life.fail(err)
-            if decode is not None:
-                await self._safe_notify(decode, P.ReleaseReq(request_id=rid, error=err.to_info(),
-                                                              rejected=life.state is State.REJECTED))
-            if prefill is not None:
-                await self._safe_notify(prefill, P.AbortReq(request_id=rid, error=err.to_info()))
-            yield GenerateDelta(rid, [], "", final=life.state.value, error=err.to_info(),
-                                prompt_tokens=len(req.prompt_ids), stage=stage.value,
-                                worker=where.name if where is not None else None)
+            yield await r.settle(err)
         finally:
-            if not life.terminal:  # the consumer went away (client disconnect): abort on both sides
-                cause = RequestAborted("the client disconnected")
-                life.abort(cause)
-                for w in (decode, prefill):
-                    if w is not None:
-                        await self._safe_notify(w, P.AbortReq(request_id=rid, error=cause.to_info()))
-            if prefill_task is not None and not prefill_task.done():
-                prefill_task.cancel()
-            if q is not None and decode is not None:
-                decode.unsubscribe(rid)
-            if prefill is not None:
-                prefill.unsubscribe(rid)
-            for w in (prefill, decode):
-                if w is not None:
-                    w.inflight -= 1
-            self.lifecycles.pop(rid, None)
-            self.ended[life.state.value] = self.ended.get(life.state.value, 0) + 1
-            if self.ledger is not None:
-                error = life.outcome.error if life.outcome is not None else None
-                self.ledger.add(LedgerRow(
-                    request_id=rid, role="router", worker="router", tenant=req.tenant, received=received,
-                    ended=time.time(), state=life.state.value, error_code=error.code if error else None,
-                    prefill_worker=prefill.endpoint if prefill else None,
-                    decode_worker=decode.endpoint if decode else None,
-                    reservation_id=reservation.reservation_id if reservation is not None else None))
+            await r.end()
+            self._ended(r)
 
-    async def _reserve(self, decode: WorkerClient, req: GenerateRequest, last: bool) -> Any:
-        """Reserve decode pages. A decode worker with no free pages queues the request in arrival order and
-        answers when pages are free (for as long as it is alive: a busy fleet is not a timeout); one whose
-        queue is full answers 503 at once. None: it started draining after it was picked (unless `last`)."""
-        resp = await decode.call(lambda cid: P.ReserveReq(call_id=cid, request=req), None)
-        if not isinstance(resp, P.ReserveResp):
-            raise WorkerFailed(f"{decode.name} answered {type(resp).__name__} to a reservation")
-        if resp.reservation is not None:
-            return resp.reservation
-        err = KvsealError.from_info(resp.error) if resp.error is not None else WorkerFailed(
-            f"{decode.name} answered a reservation with neither pages nor an error")
-        if isinstance(err, WorkerDraining) and not last:
-            return None
-        raise err
-
-    async def _next(self, q: asyncio.Queue[GenerateDelta | ErrorInfo], prefill_task: asyncio.Task[P.Message],
-                    started: asyncio.Event, prefill: WorkerClient, decode: WorkerClient, first: bool,
-                    req: GenerateRequest) -> tuple[GenerateDelta | ErrorInfo, WorkerClient]:
-        """The next delta from decode, and the worker it is from (or that failed the request).
-
-        Before the first one, a prefill failure ends the request, and while the prompt is still queued or
-        computing on prefill, decode's reservation is renewed and nothing times out: a busy prefill queue is not
-        a transfer timeout (a prefill worker that dies or goes silent fails the request at once). Once prefill
-        reports the handoff started, the first delta is due within handoff_timeout_s, later ones within
-        stall_timeout_s of each other; when one is overdue, decode is asked whether it still holds the request
-        (waiting for pages, preempted): then the wait goes on, else its final delta was lost and the request
-        fails (StreamBroken)."""
-        timeout = decode.card.reservation_timeout_s
-        assert timeout is not None  # check_worker admits no decode worker without one
-        renew_every = min(self.renew_every_s, timeout / 4)
-        deadline: float | None = None
-        get = asyncio.ensure_future(q.get())
-        done: set[asyncio.Future[Any]] = set()
-        try:
-            while not done:
-                if deadline is None and (not first or started.is_set()):
-                    deadline = time.monotonic() + (self.handoff_timeout_s if first else self.stall_timeout_s)
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    if not await self._still_live(decode, req.request_id, get):
-                        break
-                    deadline = None
-                    continue
-                waiting: set[asyncio.Future[Any]] = {get}
-                if first and not prefill_task.done():
-                    waiting.add(prefill_task)
-                wait = renew_every if left is None else (min(left, renew_every) if first else left)
-                done, _ = await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-                if first and not done and not started.is_set():  # prefill still queued or computing
-                    await self._safe_notify(decode, P.RenewReq(request_id=req.request_id))
-        finally:
-            if not get.done():
-                get.cancel()
-        if get in done:
-            return get.result(), decode
-        if prefill_task in done:
-            exc = prefill_task.exception()
-            if exc is not None:
-                return (exc.to_info() if isinstance(exc, KvsealError) else WorkerFailed(str(exc)).to_info()), prefill
-            resp = prefill_task.result()
-            if not isinstance(resp, P.PrefillResp):
-                return WorkerFailed(f"{prefill.name} answered {type(resp).__name__} to a prefill").to_info(), prefill
-            if resp.error is not None:
-                return resp.error, prefill
-            # handed off: decode verified and acked, its first delta is on the way
-            return await self._next(q, prefill_task, started, prefill, decode, first, req)
-        if first:
-            return TransferTimeout(f"no verified KV handoff for {req.request_id} within "
-                                   f"{self.handoff_timeout_s:g}s of its start, and {decode.name} no longer holds "
-                                   f"it").to_info(), decode
-        return StreamBroken(f"request {req.request_id}: {decode.name} no longer holds it, but its final delta "
-                            f"never arrived; the answer is incomplete").to_info(), decode
-
-    async def _still_live(self, decode: WorkerClient, rid: str, get: asyncio.Future[Any]) -> bool:
-        """Output is overdue: True when decode still holds the request (or output arrived meanwhile). Decode
-        answers on the same ordered channel as its deltas: any delta sent before its answer is in by then."""
-        try:
-            resp = await decode.call(lambda cid: P.StatusReq(call_id=cid, request_id=rid), 30.0)
-        except WorkerFailed:
-            return get.done()
-        return get.done() or (isinstance(resp, P.StatusResp) and resp.live)
-
-    async def _prefill_settled(self, task: asyncio.Task[P.Message], rid: str) -> int:
-        """Decode is done; hold the last delta until prefill reported the handoff ended (its pages scrubbed
-        and freed), so a client that sees its response end sees every worker back at baseline (seal 8).
-        Bounded: prefill's answer follows decode's ack within milliseconds; a lost answer only logs.
-        Returns the prompt tokens prefill served from its prefix cache (0 when unknown)."""
-        try:
-            resp = await asyncio.wait_for(asyncio.shield(task), timeout=10.0)
-        except Exception as exc:  # noqa: BLE001 - the output is complete and verified either way
-            log.warning("request %s: no handoff answer from prefill after decode finished: %r", rid, exc)
-            return 0
-        return resp.cached_tokens if isinstance(resp, P.PrefillResp) else 0
-
-    async def _safe_notify(self, w: WorkerClient, msg: P.Message) -> None:
-        try:
-            await w.notify(msg)
-        except Exception as exc:  # noqa: BLE001 - a dead peer frees its pages by its own timeouts
-            log.warning("could not notify %s: %s", w.name, exc)
-
+    def _ended(self, r: DisaggRequest) -> None:
+        """The request's one terminal state is counted, and its row goes to the forensic ledger."""
+        life = r.life
+        self.lifecycles.pop(r.req.request_id, None)
+        self.ended[life.state.value] = self.ended.get(life.state.value, 0) + 1
+        if self.ledger is not None:
+            error = life.outcome.error if life.outcome is not None else None
+            self.ledger.add(LedgerRow(
+                request_id=r.req.request_id, role="router", worker="router", tenant=r.req.tenant,
+                received=r.received, ended=time.time(), state=life.state.value,
+                error_code=error.code if error else None,
+                prefill_worker=r.prefill.endpoint if r.prefill else None,
+                decode_worker=r.decode.endpoint if r.decode else None,
+                reservation_id=r.reservation.reservation_id if r.reservation is not None else None))

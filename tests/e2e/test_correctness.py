@@ -8,8 +8,6 @@ only."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ from kvseal import LLM, SamplingParams
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
 from kvseal.model.checkpoint import Checkpoint
-from kvseal.model.loader import default_model_path
+from tests.helpers.bundled import transformers_gguf_model
 
 pytestmark = pytest.mark.e2e
 NEW_TOKENS = 48
@@ -44,11 +42,8 @@ def _prompts(ck: Checkpoint) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hf_reference(smol: Checkpoint) -> tuple[list[list[int]], list[list[int]]]:
     """transformers loads the GGUF itself; greedy continuation by its own KV cache, EOS not special-cased."""
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    model.eval()
+    pytest.importorskip("transformers")
+    model = transformers_gguf_model().eval()  # transformers' own load, its GGUF reader memoized (bundled.py)
     prompts, refs = _prompts(smol), []
     with torch.inference_mode():
         for ids in prompts:

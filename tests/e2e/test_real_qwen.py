@@ -14,6 +14,7 @@ import torch
 
 from kvseal import LLM, SamplingParams
 from kvseal.model.gguf import load_gguf
+from tests.helpers.bundled import fast_transformers_gguf
 from tests.helpers.real_models import real_model
 
 pytestmark = pytest.mark.e2e
@@ -24,8 +25,9 @@ PROMPTS = ["def fibonacci(n):", "# Quick sort in Python\n"]
 def transformers_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                              dtype=torch.float32).eval()
+    with fast_transformers_gguf():  # the same load, its GGUF reader built once instead of three times
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
     out = []
     with torch.inference_mode():
         for ids in prompts:

@@ -48,7 +48,7 @@ from kvseal.transfer.manifest import (
 )
 from tests.helpers.transports import KV_TRANSPORTS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # serial: measures time (scripts/test.sh)
 
 L, P, S, KVH, D = 3, 16, 4, 2, 8
 FP = "fp-test"
