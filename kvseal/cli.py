@@ -287,12 +287,12 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
         # prompt chunks of 256 tokens and more take every core
         engine.step_threads = (cores - 1, cores, 256)
     backend = UnifiedBackend(engine, cfg.model.served_name, template)
-    info = engine.info()
+    kv = engine.kv_spec
     logging.getLogger("kvseal").info(
         "serving %s (%s) on http://%s:%d: context window %d tokens, KV pool %d tokens (%d pages of %d), "
-        "kv dtype %s, scrub %s, ledger %s", backend.model_name, info["model_fingerprint"], scfg.host, scfg.port,
+        "kv dtype %s, scrub %s, ledger %s", backend.model_name, kv.model_fingerprint, scfg.host, scfg.port,
         engine.context_window, engine.pool.capacity_tokens, engine.pool.num_pages, engine.pool.page_size,
-        info["kv_dtype"], "on" if cfg.cache.scrub else "off", cfg.ledger.path or "off")
+        kv.kv_dtype, "on" if cfg.cache.scrub else "off", cfg.ledger.path or "off")
     one_tenant_notice(scfg)
     serve_http(backend, scfg, a.log_level, engine)
     if engine.ledger is not None:

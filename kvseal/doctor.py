@@ -20,7 +20,12 @@ from typing import Any
 
 import httpx
 
-AGREE = ("model_fingerprint", "page_size", "kv_dtype", "kv_layout", "kernels", "arithmetic", "tokenizer_digest")
+from kvseal.kv.spec import KVSpec
+
+# what the serving nodes must agree on, by their /info names: the KV spec's fields, kernels, arithmetic, tokenizer.
+# Read from /info's JSON with .get: doctor reads any router or unified server (of any version), whose nodes may
+# never have answered (no card fields at all); what is missing is shown as unknown, never defaulted into a check.
+AGREE = (*KVSpec.__struct_fields__, "kernels", "arithmetic", "tokenizer_digest")
 
 
 @dataclass(frozen=True)

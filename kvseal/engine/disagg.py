@@ -34,7 +34,6 @@ from kvseal.transfer.manifest import (
     PoolPages,
     Reservation,
     build_manifest,
-    dtype_name,
     new_nonce,
     new_reservation_id,
     page_checksums,
@@ -83,9 +82,8 @@ class PrefillEngine(Engine):
         payload: PagePayload | PoolPages = pages.pack() if staged else pages
         lp = h.first_logprob
         manifest = build_manifest(
-            reservation, payload, num_tokens=len(h.seq.prompt_ids), first_token=h.first_token,
-            model_fingerprint=self.fingerprint, page_size=self.pool.page_size, kv_dtype=dtype_name(self.kv_dtype),
-            kv_layout=self.kv_layout, first_logprob=None if lp is None else lp.logprob,
+            reservation, payload, num_tokens=len(h.seq.prompt_ids), first_token=h.first_token, kv=self.kv_spec,
+            first_logprob=None if lp is None else lp.logprob,
             first_top=[] if lp is None else lp.top)
         return manifest, payload
 
@@ -125,8 +123,7 @@ class DecodeEngine(Engine):
         seq = self._reserve_pages(req, timeout_s)
         res = Reservation(
             request_id=req.request_id, reservation_id=new_reservation_id(), nonce=new_nonce(),
-            num_tokens=len(req.prompt_ids), page_ids=list(seq.pages), model_fingerprint=self.fingerprint,
-            page_size=self.pool.page_size, kv_dtype=dtype_name(self.kv_dtype), kv_layout=self.kv_layout,
+            num_tokens=len(req.prompt_ids), page_ids=list(seq.pages), kv=self.kv_spec,
             kv_endpoint=kv_endpoint, kv_key=kv_key, kv_session=kv_session)
         self.reservations[req.request_id] = res
         if self.forensics is not None:

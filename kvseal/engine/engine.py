@@ -38,6 +38,7 @@ from kvseal.kernels.memory import keep_freed_pages
 from kvseal.kv.allocator import PageAllocator, pages_for
 from kvseal.kv.pool import KVPool, pool_num_pages
 from kvseal.kv.prefix_cache import PrefixCache, namespace_id, namespace_root, page_keys
+from kvseal.kv.spec import KVSpec
 from kvseal.kv.window import WindowPages, split_pages, split_window
 from kvseal.ledger.forensics import Forensics
 from kvseal.ledger.store import Ledger
@@ -77,7 +78,8 @@ class Engine:
         self.device = resolve_device(cfg.model.device)
         self.dtype = _DTYPES[cfg.model.dtype]
         self.kernels, why = resolve_kernels(cfg.model.kernels, self.device.type, cfg.model.dtype, arch)
-        model_window = min(arch.max_position, cfg.model.max_model_len or arch.max_position)
+        # the window the model supports and the operator allows (the pool may hold less: context_window)
+        self.model_window = model_window = min(arch.max_position, cfg.model.max_model_len or arch.max_position)
         self.arithmetic = resolve_arithmetic(cfg.model.arithmetic, self.kernels, why, arch, cfg.cache.page_size,
                                              ckpt.block_types())
         log.info("arithmetic: %s%s (%s)", self.arithmetic.name,
@@ -117,6 +119,9 @@ class Engine:
         self.prefix_cache = PrefixCache(self.allocator, enabled=cfg.cache.prefix_cache and role != "decode"
                                         and self.window is None)
         self.kv_layout = self.pool.layout_name
+        # what this engine's KV is: a reservation, a manifest and the fleet check carry it (kv/spec.py)
+        self.kv_spec = KVSpec(model_fingerprint=self.fingerprint, page_size=self.pool.page_size,
+                              kv_dtype=str(self.kv_dtype).removeprefix("torch."), kv_layout=self.kv_layout)
         # The served window: what the model supports, the operator allows, and the pool can hold.
         self.context_window = min(model_window, self.pool.capacity_tokens)
         self.scheduler = Scheduler(cfg.scheduler, self.allocator, cfg.cache.page_size, self.prefix_cache, self.window)
@@ -145,44 +150,50 @@ class Engine:
 
     # -- what this engine is -------------------------------------------------------------------------
     def info(self) -> dict[str, object]:
+        """What this engine is, then its figures (a unified worker's /info; a disaggregated worker's identity is
+        its WorkerCard, worker/card.py)."""
         return {
             "role": self.role,
             "model": self.ckpt_name,
-            "model_fingerprint": self.fingerprint,
+            **self.kv_spec.fields(),  # model_fingerprint, page_size, kv_dtype, kv_layout
             "context_window": self.context_window,
             "model_max_position": self.arch.max_position,
             "pool_tokens": self.pool.capacity_tokens,
             "pool_pages": self.pool.num_pages,
+            "prefix_cache": self.prefix_cache.enabled,
+            "kernels": self.kernels,
+            "arithmetic": self.arithmetic.name,
+            "arithmetic_isa": self.arithmetic.isa or None,
+            "kv_bytes_per_token": self.pool.bytes_per_token,
+            "kv_scrub": self.cfg.cache.scrub,
+            "device": str(self.device),
+            "fairness": self.cfg.scheduler.fairness,
+            "ledger": None if self.ledger is None else str(self.ledger.path),
+            **self.figures(),
+        }
+
+    def figures(self) -> dict[str, object]:
+        """What changes from one step to the next: pages, requests, tenants, counters. For display (/info, kvseal
+        doctor, tests); no check reads them."""
+        return {
             # free_pages: what a new request can get now, the free list plus unreferenced cached pages (evicted
             # and scrubbed on demand); equal to pool_pages whenever no request holds a page (seal 8)
             "free_pages": self.allocator.num_free,
             "owned_pages": self.allocator.num_owned,
             "cached_pages": self.prefix_cache.num_cached,
             "cached_pages_in_use": self.prefix_cache.num_referenced,
-            "prefix_cache": self.prefix_cache.enabled,
             "prefix_cache_hit_tokens": self.scheduler.reused_tokens,
             "prefix_cache_evicted_pages": self.prefix_cache.evicted_pages,
-            "page_size": self.pool.page_size,
-            "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
-            "kv_layout": self.kv_layout,
-            "kernels": self.kernels,
-            "arithmetic": self.arithmetic.name,
-            "arithmetic_isa": self.arithmetic.isa or None,
-            "kv_bytes_per_token": self.pool.bytes_per_token,
-            "kv_scrub": self.cfg.cache.scrub,
             # the sliding layers' own pool (kv/window.py): their window, pages, free pages, pages dropped so far
             "window_pool": None if self.window is None else {
                 "window": self.window.window, "layers": len(self.window.layers), "pages": self.window.pool.num_pages,
                 "free_pages": self.window.allocator.num_free, "dropped_pages": self.window.pages_dropped},
-            "device": str(self.device),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             # per tenant: tokens served, VTC counter, weight, queue time, pages held (engine/fairness.py)
-            "fairness": self.cfg.scheduler.fairness,
             "tenants": self.scheduler.fair.figures(self.scheduler.running, self.scheduler.waiting),
             "pages_scrubbed": self.pages_scrubbed,
             "ownership_violations": self.ownership_violations,
-            "ledger": None if self.ledger is None else str(self.ledger.path),
             # response_format: requests waiting for their grammar, compiler processes, compiles killed at the limit
             "waiting_for_grammar": len(self.compiling),
             "grammar_compilers": 0 if self.grammars.pool is None else len(self.grammars.pool.pids),

@@ -61,8 +61,7 @@ class EngineCollector(Collector):
         self.verification_failures = verification_failures if verification_failures is not None else {}
         self.queued = queued
         e = engine  # what the fleet check compares, as labels of kvseal:worker_info
-        self.identity = {"role": e.role, "model_fingerprint": e.fingerprint, "page_size": str(e.pool.page_size),
-                         "kv_dtype": str(e.kv_dtype).removeprefix("torch."), "kv_layout": e.kv_layout,
+        self.identity = {"role": e.role, **{k: str(v) for k, v in e.kv_spec.fields().items()},
                          "kernels": e.kernels, "arithmetic": e.arithmetic.name, **(labels or {})}
 
     def collect(self) -> Iterator[Any]:

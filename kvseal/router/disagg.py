@@ -48,6 +48,7 @@ from kvseal.router.disagg_request import DEFAULT_TIMEOUTS, DisaggRequest, Handof
 from kvseal.router.registry import FleetSpec, check_fleet, check_worker, served_window
 from kvseal.router.workers import WorkerClient
 from kvseal.worker import protocol as P
+from kvseal.worker.card import WorkerCard
 
 log = logging.getLogger("kvseal.router")
 class DisaggBackend:
@@ -93,30 +94,33 @@ class DisaggBackend:
         for w in workers:
             w.open()
         deadline = time.monotonic() + self.startup_timeout_s
+        cards: list[tuple[str, WorkerCard]] = []
         for w in workers:
             while True:
                 try:
-                    await w.fetch_info(timeout=2.0)
+                    cards.append((w.name, (await w.fetch_info(timeout=2.0)).card))
                     break
+                except CapacityMismatch as err:  # its card does not decode: another kvseal version
+                    log.error("refusing to start: %s", err.message)
+                    raise
                 except WorkerFailed:
                     if time.monotonic() > deadline:
                         raise WorkerFailed(f"{w.name} did not come up within {self.startup_timeout_s:g}s")
-        infos = [(w.name, w.info) for w in workers]
         try:
-            self.context_window = served_window(infos, self.max_model_len)
-            check_fleet(infos, self.context_window)
+            self.context_window = served_window(cards, self.max_model_len)
+            check_fleet(cards, self.context_window)
         except CapacityMismatch as err:
             if self.hooks.capacity_check():
                 log.error("refusing to start: %s", err.message)
                 raise
             log.warning("capacity mismatch ignored (test fault): %s", err.message)  # the 2026 behaviour
-        self.spec = FleetSpec.of(infos, self.context_window, tokenizer_digest(self.tokenizer), self.hooks.spec)
-        for w in workers:
-            self._check(w, w.info)  # tokenizer and test faults too: a fleet that fails never serves
-        for w in workers:
-            w.admitted(w.info)
+        self.spec = FleetSpec.of(cards, self.context_window, tokenizer_digest(self.tokenizer), self.hooks.spec)
+        for w, (_, card) in zip(workers, cards, strict=True):
+            self._check(w, card)  # tokenizer and test faults too: a fleet that fails never serves
+        for w, (_, card) in zip(workers, cards, strict=True):
+            w.admitted(card)
             w.watch()
-        self.model_name = self._name or str(workers[0].info["model"])
+        self.model_name = self._name or cards[0][1].model
         if self.fleet_bind is not None:
             self._fleet_sock = self._ctx.socket(zmq.ROUTER)
             self._fleet_sock.setsockopt(zmq.LINGER, 0)
@@ -133,9 +137,9 @@ class DisaggBackend:
         return WorkerClient(role, endpoint, self._ctx, self._check, registered=registered, keys=self.keys,
                             server_key=key or self.server_keys.get(endpoint))
 
-    def _check(self, w: WorkerClient, info: dict[str, Any]) -> None:
+    def _check(self, w: WorkerClient, card: WorkerCard) -> None:
         assert self.spec is not None
-        check_worker(w.name, w.role, info, self.spec, capacity=self.hooks.capacity_check())
+        check_worker(w.name, w.role, card, self.spec, capacity=self.hooks.capacity_check())
 
     async def _fleet_loop(self) -> None:
         """Workers started with --router ask to join here; each is checked in full before its answer."""
@@ -202,15 +206,21 @@ class DisaggBackend:
         # answer within 2 s is shown with its last known figures
         live = [w for w in self.prefills + self.decodes if w.member.connected]
         await asyncio.gather(*(w.fetch_info(timeout=2.0) for w in live), return_exceptions=True)
-        workers = [{**w.info, "role": w.role, "endpoint": w.endpoint, "alive": w.alive,
+        clients = self.prefills + self.decodes
+        workers = [{**w.info_json(), "role": w.role, "endpoint": w.endpoint, "alive": w.alive,
                     "state": w.member.standing.value, "reason": w.member.reason, "registered": w.registered,
-                    "inflight": w.inflight} for w in self.prefills + self.decodes]
-        serving = [w for w in workers if w["alive"]] or workers
+                    "inflight": w.inflight} for w in clients]
+        # the fleet's figures from the serving workers' cards (all of them while none serves); a worker that
+        # never answered has no card: it counts as a pool of 0 tokens, and the figures it cannot give are None
+        serving = [w for w in clients if w.alive] or clients
+        cards = [None if w.last is None else w.last.card for w in serving]
+        first = cards[0] if cards else None
         return {"role": "router", "model": self.model_name, "context_window": self.context_window,
-                "model_fingerprint": serving[0].get("model_fingerprint"),
-                "pool_tokens": min(int(w.get("pool_tokens", 0)) for w in serving),
-                "page_size": serving[0].get("page_size"), "kv_dtype": serving[0].get("kv_dtype"),
-                "kv_transport": serving[0].get("kv_transport"),
+                "model_fingerprint": None if first is None else first.kv.model_fingerprint,
+                "pool_tokens": min((0 if c is None else c.pool_tokens for c in cards), default=0),
+                "page_size": None if first is None else first.kv.page_size,
+                "kv_dtype": None if first is None else first.kv.kv_dtype,
+                "kv_transport": None if first is None else first.kv_transport,
                 "tokenizer_digest": self.spec.tokenizer_digest if self.spec else None,
                 "test_faults": self.hooks.spec, "fleet_endpoint": self.fleet_endpoint,
                 "fleet_auth": "curve" if self.keys is not None else "off",
@@ -229,7 +239,7 @@ class DisaggBackend:
             raise NoWorkerAvailable(f"no {role} worker is serving right now ({out or 'none configured'}); "
                                     f"retry later")
         if req is not None:
-            return self.affinity.pick(live, req, int(live[0].info.get("page_size", 16)))
+            return self.affinity.pick(live, req, live[0].card.kv.page_size)
         least = min(w.inflight for w in live)
         return random.choice([w for w in live if w.inflight == least])
 

@@ -150,7 +150,9 @@ class DisaggRequest:
         assert decode is not None and prefill is not None and task is not None and started is not None
         assert self._deltas is not None
         t = self.timeouts
-        renew_every = min(t.renew_every_s, float(decode.info.get("reservation_timeout_s", 120.0)) / 4)
+        timeout = decode.card.reservation_timeout_s
+        assert timeout is not None  # check_worker admits no decode worker without one
+        renew_every = min(t.renew_every_s, timeout / 4)
         deadline: float | None = None
         get = asyncio.ensure_future(self._deltas.get())
         try:

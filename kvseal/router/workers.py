@@ -30,11 +30,12 @@ from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import CapacityMismatch, ErrorInfo, StreamBroken, WorkerFailed
 from kvseal.router.membership import Membership, Standing
 from kvseal.worker import protocol as P
+from kvseal.worker.card import WorkerCard
 
 log = logging.getLogger("kvseal.router")
 
-# raises CapacityMismatch when the worker (its fresh /info) may not serve in this fleet
-Check = Callable[["WorkerClient", dict[str, Any]], None]
+# raises CapacityMismatch when the worker (its fresh card) may not serve in this fleet
+Check = Callable[["WorkerClient", WorkerCard], None]
 
 
 class WorkerClient:
@@ -61,12 +62,23 @@ class WorkerClient:
         self._wake = asyncio.Event()  # a (re)connect: run the heartbeat (and so the join check) now
         self._join_lock = asyncio.Lock()
         self.last_seen = time.monotonic()
-        self.info: dict[str, Any] = {}
+        self.last: P.InfoResp | None = None  # its last answer to an info request (None: it never answered)
         self.inflight = 0  # requests routed here and not yet ended: the load used for pairing
 
     @property
     def name(self) -> str:
         return f"{self.role} worker {self.endpoint}"
+
+    @property
+    def card(self) -> WorkerCard:
+        """The card of a worker in rotation: the one it passed the fleet check with (a new process is checked
+        again before it gets a request, so the last card it sent is that one)."""
+        assert self.last is not None, f"{self.name} never answered an info request"
+        return self.last.card
+
+    def info_json(self) -> dict[str, Any]:
+        """Its /info as of its last answer ({} before the first)."""
+        return {} if self.last is None else self.last.to_json()
 
     @property
     def alive(self) -> bool:
@@ -82,9 +94,9 @@ class WorkerClient:
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._tasks += [asyncio.ensure_future(self._heartbeat()), asyncio.ensure_future(self._watch())]
 
-    def admitted(self, info: dict[str, Any]) -> None:
+    def admitted(self, card: WorkerCard) -> None:
         """The router's start-up check passed this worker (with the whole fleet)."""
-        self.info, self.instance = info, str(info.get("instance"))
+        self.instance = card.instance
         self.member.move(Standing.CHECKING)
         self.member.move(Standing.SERVING)
 
@@ -103,13 +115,16 @@ class WorkerClient:
         async with self._join_lock:
             self.member.move(Standing.CHECKING)
             try:
-                info = await self.fetch_info(timeout=10.0)
+                resp = await self.fetch_info(timeout=10.0)
             except WorkerFailed as err:
                 self._lose(err.message)
                 return
-            self.instance = str(info.get("instance"))
+            except CapacityMismatch as err:  # its answer does not decode (a card missing a field): another version
+                self.member.move(Standing.REFUSED, err.message)
+                return
+            self.instance = resp.card.instance
             try:
-                self.check(self, info)
+                self.check(self, resp.card)
             except CapacityMismatch as err:
                 self.member.move(Standing.REFUSED, err.message)
             else:
@@ -118,7 +133,7 @@ class WorkerClient:
                                                        f"router's allow-list (revoked)")
                     return
                 self.member.move(Standing.SERVING)
-                if info.get("draining"):
+                if resp.draining:
                     self.member.move(Standing.DRAINING, "it reports that it is draining")
 
     async def _watch(self) -> None:
@@ -141,14 +156,18 @@ class WorkerClient:
                 pass
             self._wake.clear()
             try:  # a worker that is not connected answers quickly once it is back, or not at all
-                info = await self.fetch_info(timeout=self.dead_after_s if self.member.connected else 2.0)
+                resp = await self.fetch_info(timeout=self.dead_after_s if self.member.connected else 2.0)
             except WorkerFailed:
                 self._lose(f"{self.name} stopped answering (dead or unreachable)")
                 continue
+            except CapacityMismatch:  # an answer it cannot read: refused (once) with the reason, by join()
+                if self.member.standing is not Standing.REFUSED:
+                    await self.join()
+                continue
             st = self.member.standing
-            if info.get("instance") != self.instance or st in (Standing.LOST, Standing.LEFT, Standing.CONNECTING):
+            if resp.card.instance != self.instance or st in (Standing.LOST, Standing.LEFT, Standing.CONNECTING):
                 await self.join()  # a new process on this endpoint, or one coming back: checked before use
-            elif st is Standing.SERVING and info.get("draining"):
+            elif st is Standing.SERVING and resp.draining:
                 self.member.move(Standing.DRAINING, "it reports that it is draining")
             elif st is Standing.SERVING and self.revoked():
                 await self.join()  # out of rotation within a heartbeat of its key file's deletion
@@ -205,12 +224,12 @@ class WorkerClient:
         ev = self._handoffs[request_id] = asyncio.Event()
         return ev
 
-    async def fetch_info(self, timeout: float = 5.0) -> dict[str, Any]:
+    async def fetch_info(self, timeout: float = 5.0) -> P.InfoResp:
         resp = await self.call(lambda cid: P.InfoReq(call_id=cid), timeout)
         if not isinstance(resp, P.InfoResp):
             raise WorkerFailed(f"{self.name} answered {type(resp).__name__} to an info request")
-        self.info = resp.info
-        return resp.info
+        self.last = resp
+        return resp
 
     async def _reader(self) -> None:
         while True:
@@ -220,6 +239,11 @@ class WorkerClient:
                 msg = P.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.warning("%s sent a malformed message: %s", self.name, exc)
+                fut = self._calls.get(P.call_id_of(data) or 0)
+                if fut is not None and not fut.done():
+                    fut.set_exception(CapacityMismatch(
+                        f"{self.name} answered with a message this router cannot read ({exc}): it runs another "
+                        f"kvseal version. Fix: run one kvseal version on the router and every worker."))
                 continue
             match msg:
                 case P.HandoffStarted(request_id=rid):

@@ -30,6 +30,7 @@ import torch
 
 from kvseal.errors import TransferVerificationFailed
 from kvseal.kv.allocator import pages_for
+from kvseal.kv.spec import KVSpec
 
 try:
     import xxhash
@@ -63,11 +64,8 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     reservation_id: str
     nonce: str  # 128-bit random hex; binds the arrival to this reservation (see new_nonce)
     num_tokens: int  # prompt tokens whose KV will arrive
-    page_ids: list[int]  # decode's page ids, in token order; len == ceil(num_tokens / page_size)
-    model_fingerprint: str
-    page_size: int
-    kv_dtype: str  # "bfloat16", "float32", ... (see dtype_name)
-    kv_layout: str  # opaque layout string, e.g. "L30xPxSx3x64"
+    page_ids: list[int]  # decode's page ids, in token order; len == ceil(num_tokens / kv.page_size)
+    kv: KVSpec  # decode's own KV spec: the manifest's must equal it (verify_identity)
     kv_endpoint: str  # where to send the pages, e.g. "tcp://127.0.0.1:5555"
     kv_key: str = ""  # the decode worker's fleet public key (Z85): prefill pins it; "" in a fleet without keys
     kv_session: str = ""  # decode's KV session (hex): the channel's MAC framing (transfer/kvmac.py); "": CURVE
@@ -75,8 +73,8 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class KVManifest(msgspec.Struct, frozen=True, kw_only=True):
-    """What prefill claims to have sent. The spec fields describe *prefill's* KV, never copied from the
-    reservation, so that verify() compares the two workers' views."""
+    """What prefill claims to have sent. `kv` describes *prefill's* KV, never copied from the reservation, so
+    that verify() compares the two workers' views."""
 
     request_id: str
     reservation_id: str
@@ -89,10 +87,7 @@ class KVManifest(msgspec.Struct, frozen=True, kw_only=True):
     first_logprob: float | None = None
     first_top: list[tuple[int, float]] = []  # top-k alternatives of the first token, best first
     first_checksum: int = 0  # over first_token, first_logprob and first_top (see first_token_checksum)
-    model_fingerprint: str
-    page_size: int
-    kv_dtype: str
-    kv_layout: str
+    kv: KVSpec  # prefill's own KV spec
     v: int = SCHEMA_VERSION
 
 
@@ -191,10 +186,10 @@ def page_nbytes(pool: torch.Tensor) -> int:
 
 
 def build_manifest(reservation: Reservation, payload: PagePayload | PoolPages, *, num_tokens: int, first_token: int,
-                   model_fingerprint: str, page_size: int, kv_dtype: str, kv_layout: str,
-                   first_logprob: float | None = None,
+                   kv: KVSpec, first_logprob: float | None = None,
                    first_top: Sequence[tuple[int, float]] = ()) -> KVManifest:
-    """Prefill's manifest: identity from the reservation, everything else from prefill's own state."""
+    """Prefill's manifest: identity from the reservation, everything else (`kv` included) from prefill's own
+    state."""
     return KVManifest(
         request_id=reservation.request_id, reservation_id=reservation.reservation_id,
         nonce=reservation.nonce, num_tokens=num_tokens, num_pages=payload.num_pages,
@@ -202,7 +197,7 @@ def build_manifest(reservation: Reservation, payload: PagePayload | PoolPages, *
         checksum=CHECKSUM_ALGO, first_token=first_token,
         first_logprob=first_logprob, first_top=list(first_top),
         first_checksum=first_token_checksum(first_token, first_logprob, first_top),
-        model_fingerprint=model_fingerprint, page_size=page_size, kv_dtype=kv_dtype, kv_layout=kv_layout,
+        kv=kv,
     )
 
 
@@ -338,17 +333,18 @@ def verify_identity(manifest: KVManifest, reservation: Reservation, *, expected_
     m, r = manifest, reservation
     _same(m, "manifest schema version", SCHEMA_VERSION, m.v)
     verify_names(m, r)
-    _same(m, "model_fingerprint (reservation vs this worker)", expected_fingerprint, r.model_fingerprint)
-    _same(m, "model_fingerprint", expected_fingerprint, m.model_fingerprint)
-    _same(m, "page_size", r.page_size, m.page_size)
-    _same(m, "kv_dtype", r.kv_dtype, m.kv_dtype)
-    _same(m, "kv_layout", r.kv_layout, m.kv_layout)
+    _same(m, "model_fingerprint (reservation vs this worker)", expected_fingerprint, r.kv.model_fingerprint)
+    # every KVSpec field, in order (model_fingerprint, page_size, kv_dtype, kv_layout): the reservation's
+    # fingerprint is this worker's (above), so the manifest's is compared with this worker's too
+    differ = r.kv.differences(m.kv)
+    if differ:
+        raise _fail(m, *differ[0])
     _same(m, "checksum algorithm", CHECKSUM_ALGO, m.checksum)
     _same(m, "num_tokens", r.num_tokens, m.num_tokens)
     if m.num_tokens < 1:
         raise _fail(m, "num_tokens", "at least 1", m.num_tokens)
     _same(m, "num_pages (reserved pages)", len(r.page_ids), m.num_pages)
-    _same(m, "num_pages (ceil(num_tokens / page_size))", pages_for(m.num_tokens, r.page_size), m.num_pages)
+    _same(m, "num_pages (ceil(num_tokens / page_size))", pages_for(m.num_tokens, r.kv.page_size), m.num_pages)
     _same(m, "number of page_checksums", m.num_pages, len(m.page_checksums))
     _same(m, "first_checksum", first_token_checksum(m.first_token, m.first_logprob, m.first_top), m.first_checksum)
     if vocab_size is not None:

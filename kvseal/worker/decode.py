@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvseal.auth.keys import MemberKeys
 from kvseal.engine.disagg import DecodeEngine
@@ -70,13 +70,16 @@ class DecodeWorker(WorkerServer):
         self.queue: deque[_Queued] = deque()  # reservations waiting for pages, in arrival order (oldest first)
         self._next_expiry = 0.0
 
-    def info(self) -> dict[str, object]:
-        return {**super().info(), "kv_endpoint": self.kv_endpoint, "kv_transport": self.kv_transport,
+    def figures(self) -> dict[str, Any]:
+        return {**super().figures(), "kv_endpoint": self.kv_endpoint,
                 "kv_channel": ("mac" if getattr(self.transport, "kv_session", "") else "curve") if self.keys
                 else "plain",
                 "kv_landing": len(self.dengine.landing), "kv_quarantined": len(self.dengine.quarantined),
                 **self.kv_figures(), "reservations": len(self.dengine.reserved),
-                "reservations_queued": len(self.queue), "reservation_timeout_s": self.reservation_timeout_s}
+                "reservations_queued": len(self.queue)}
+
+    def reservation_timeout(self) -> float | None:
+        return self.reservation_timeout_s
 
     def kv_figures(self) -> dict[str, int]:
         return {"kv_quarantined_pages": sum(len(s.pages) for s in self.dengine.quarantined.values()),

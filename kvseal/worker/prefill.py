@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kvseal.auth.keys import MemberKeys
 from kvseal.engine.disagg import Handoff, PrefillEngine
@@ -53,8 +54,8 @@ class PrefillWorker(WorkerServer):
         self.jobs: dict[str, _Job] = {}
         self._held: list[tuple[float, Handoff]] = []  # handoffs a hook holds back (hold_handoff_s)
 
-    def info(self) -> dict[str, object]:
-        return {**super().info(), "kv_transport": self.kv_transport, **self.kv_figures()}
+    def figures(self) -> dict[str, Any]:
+        return {**super().figures(), **self.kv_figures()}
 
     def kv_figures(self) -> dict[str, int]:
         return self.transport.figures()

@@ -13,6 +13,7 @@ import msgspec
 from kvseal.engine.messages import SCHEMA_VERSION, GenerateDelta, GenerateRequest
 from kvseal.errors import ErrorInfo
 from kvseal.transfer.manifest import Reservation
+from kvseal.worker.card import WorkerCard
 
 # the environment variable `kvseal serve` (kvseal/launch.py) sets on the workers it starts: its own pid. A worker
 # whose launcher is gone exits (worker/server.py), so a killed `kvseal serve` leaves no worker behind
@@ -28,8 +29,22 @@ class InfoReq(_Msg, tag="info_req", frozen=True, kw_only=True):
 
 
 class InfoResp(_Msg, tag="info", frozen=True, kw_only=True):
+    """worker -> router: what the worker is (its card: every field the fleet check compares, typed; one missing
+    is a decode error), whether it is draining (the router stops sending it requests), and its figures.
+
+    `figures` are what the worker shows beside its card in /info: where it listens, counters and live figures
+    (free pages, requests, tenants, transport state) that change every step. No check and no routing decision
+    reads them (kvseal doctor and tests display and compare them), so they stay a plain map: a new counter is one
+    line in the worker, not a schema change for every peer."""
+
     call_id: int
-    info: dict[str, Any]
+    card: WorkerCard
+    draining: bool
+    figures: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """The worker's /info: figures, then draining and the card's fields (so no figure can hide a card field)."""
+        return {**self.figures, "draining": self.draining, **self.card.to_json()}
 
 
 class ReserveReq(_Msg, tag="reserve", frozen=True, kw_only=True):
@@ -160,6 +175,19 @@ _decoder = msgspec.msgpack.Decoder(Message)
 
 def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
+
+
+class _CallId(msgspec.Struct):
+    call_id: int | None = None
+
+
+def call_id_of(data: bytes) -> int | None:
+    """The call id in a frame that did not decode (a peer of another kvseal version, e.g. a card missing a field),
+    so that its call fails at once with the reason instead of timing out; None when there is none to read."""
+    try:
+        return msgspec.msgpack.decode(data, type=_CallId).call_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def decode(data: bytes) -> Message:

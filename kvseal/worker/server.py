@@ -30,6 +30,7 @@ from kvseal.hooks import Hooks
 from kvseal.identity import new_instance_id, tokenizer_digest
 from kvseal.metrics.engine import EngineCollector, WorkerMetrics
 from kvseal.worker import protocol as P
+from kvseal.worker.card import WorkerCard
 from kvseal.worker.join import EXIT_REFUSED, Registration
 from kvseal.worker.outbox import Outbox
 
@@ -40,6 +41,7 @@ log = logging.getLogger("kvseal.worker")
 
 class WorkerServer:
     role = "worker"
+    kv_transport: str  # set by each role's __init__ (--kv-transport)
 
     def __init__(self, engine: Engine, bind: str, hooks: Hooks, drain_timeout_s: float = 600.0,
                  keys: MemberKeys | None = None) -> None:
@@ -84,16 +86,37 @@ class WorkerServer:
     def send(self, ident: bytes, msg: P.Message) -> None:
         self.outbox.send(ident, P.encode(msg))
 
-    def info(self) -> dict[str, Any]:
-        return {**self.engine.info(), **self.counters, "control_endpoint": self.endpoint,
-                "model_window": min(self.engine.arch.max_position,
-                                    self.engine.cfg.model.max_model_len or self.engine.arch.max_position),
-                "instance": self.instance, "tokenizer_digest": self.tokenizer_digest,
-                "test_faults": self.hooks.spec, "test_faults_active": self.hooks.active,
-                "draining": self.draining_since is not None, "inflight": self.inflight(),
+    def card(self) -> WorkerCard:
+        """What this worker is (worker/card.py): the router's fleet check compares it with the fleet's."""
+        e = self.engine
+        return WorkerCard(
+            role=self.role, model=e.ckpt_name, instance=self.instance, kv=e.kv_spec, kernels=e.kernels,
+            arithmetic=e.arithmetic.name, arithmetic_isa=e.arithmetic.isa or None, kv_transport=self.kv_transport,
+            tokenizer_digest=self.tokenizer_digest, test_faults=self.hooks.spec, model_window=e.model_window,
+            model_max_position=e.arch.max_position, context_window=e.context_window, pool_pages=e.pool.num_pages,
+            pool_tokens=e.pool.capacity_tokens, kv_bytes_per_token=e.pool.bytes_per_token,
+            kv_scrub=e.cfg.cache.scrub, prefix_cache=e.prefix_cache.enabled, fairness=e.cfg.scheduler.fairness,
+            device=str(e.device), ledger=None if e.ledger is None else str(e.ledger.path),
+            fleet_auth="curve" if self.keys is not None else "off", reservation_timeout_s=self.reservation_timeout())
+
+    def reservation_timeout(self) -> float | None:
+        """decode: how long a reservation waits for its KV; None for a role that takes no reservation."""
+        return None
+
+    def figures(self) -> dict[str, Any]:
+        """Where it listens and what it counts (InfoResp.figures): shown in /info, never checked."""
+        return {**self.engine.figures(), **self.counters, "control_endpoint": self.endpoint,
+                "test_faults_active": self.hooks.active, "inflight": self.inflight(),
                 "outbox_queued": self.outbox.queued, "metrics_endpoint": self.metrics.endpoint,
-                "verification_failures": dict(self.verification_failures),
-                "fleet_auth": "curve" if self.keys is not None else "off", "auth_refused": self.auth_refused()}
+                "verification_failures": dict(self.verification_failures), "auth_refused": self.auth_refused()}
+
+    def info_resp(self, call_id: int) -> P.InfoResp:
+        return P.InfoResp(call_id=call_id, card=self.card(), draining=self.draining_since is not None,
+                          figures=self.figures())
+
+    def info(self) -> dict[str, Any]:
+        """This worker's /info, as the router shows it (InfoResp.to_json)."""
+        return self.info_resp(0).to_json()
 
     def auth_refused(self) -> int:
         """Connections refused at the handshake (not on the fleet allow-list): control port, and KV port."""
@@ -216,7 +239,7 @@ class WorkerServer:
     def handle(self, ident: bytes, msg: P.Message) -> None:
         match msg:
             case P.InfoReq(call_id=cid):
-                self.send(ident, P.InfoResp(call_id=cid, info=self.info()))
+                self.send(ident, self.info_resp(cid))
             case P.AbortReq(request_id=rid, error=err):
                 self.engine.abort(rid, KvsealError.from_info(err))
             case P.StatusReq(call_id=cid, request_id=rid):

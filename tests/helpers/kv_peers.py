@@ -20,6 +20,7 @@ from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from kvseal.engine.disagg import DecodeEngine
 from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
 from kvseal.hooks import NO_FAULTS
+from kvseal.kv.spec import KVSpec
 from kvseal.transfer.base import TransferHandle, TransferStatus, Transport, create_transport
 from kvseal.transfer.manifest import KVManifest, PoolPages, Reservation, build_manifest
 from kvseal.worker.decode import DecodeWorker
@@ -51,8 +52,8 @@ class PoolSpec:
 
     def manifest(self, res: Reservation, pages: PoolPages) -> KVManifest:
         return build_manifest(res, pages, num_tokens=res.num_tokens, first_token=FIRST_TOKEN,
-                              model_fingerprint=self.fingerprint, page_size=self.page_size,
-                              kv_dtype=self.dtype, kv_layout=self.kv_layout)
+                              kv=KVSpec(model_fingerprint=self.fingerprint, page_size=self.page_size,
+                              kv_dtype=self.dtype, kv_layout=self.kv_layout))
 
 
 @contextmanager

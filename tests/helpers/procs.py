@@ -130,7 +130,7 @@ class Worker(Proc):
 
         resp = self.call(lambda cid: P.InfoReq(call_id=cid))
         assert isinstance(resp, P.InfoResp)
-        return resp.info
+        return resp.to_json()
 
 
 

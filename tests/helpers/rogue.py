@@ -13,6 +13,7 @@ import zmq
 
 from kvseal.errors import WorkerDraining
 from kvseal.worker import protocol as P
+from kvseal.worker.card import WorkerCard
 
 
 class RogueDecode:
@@ -22,7 +23,9 @@ class RogueDecode:
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.info = {**copied_info, "instance": "rogue", "control_endpoint": self.endpoint}
+        # the copied card, as the copy gives it (None: nothing copied; it then answers no info request)
+        self.card = WorkerCard.from_json({**copied_info, "instance": "rogue"}) if copied_info else None
+        self.figures = {**copied_info, "control_endpoint": self.endpoint}
         self.frames = 0  # every frame the router sent it, of any kind
         self.prompts: list[list[int]] = []  # the prompt ids of every request routed here
         self._stop = threading.Event()
@@ -36,8 +39,9 @@ class RogueDecode:
             ident, data = self.sock.recv_multipart()[:2]
             self.frames += 1
             msg = P.decode(data)
-            if isinstance(msg, P.InfoReq):
-                self.sock.send_multipart([ident, P.encode(P.InfoResp(call_id=msg.call_id, info=self.info))])
+            if isinstance(msg, P.InfoReq) and self.card is not None:
+                self.sock.send_multipart([ident, P.encode(P.InfoResp(call_id=msg.call_id, card=self.card,
+                                                                     draining=False, figures=self.figures))])
             elif isinstance(msg, P.ReserveReq):
                 self.prompts.append(list(msg.request.prompt_ids))
                 err = WorkerDraining("draining").to_info()

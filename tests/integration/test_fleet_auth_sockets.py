@@ -21,12 +21,12 @@ from zmq.utils.monitor import recv_monitor_message
 from kvseal.auth.curve import as_client, as_plain_server, as_server
 from kvseal.auth.keys import MemberKeys, fresh_member, load_member, public_key, write_key_set
 from kvseal.auth.zap import USER, ZapHandler
+from kvseal.kv.spec import KVSpec
 from kvseal.transfer.base import TransferHandle, TransferState, TransferStatus
 from kvseal.transfer.kvmac import KvMac, new_session
 from kvseal.transfer.manifest import (
     Reservation,
     build_manifest,
-    dtype_name,
     new_nonce,
     new_reservation_id,
     pack_pages,
@@ -66,11 +66,10 @@ def _send(tx: ZmqTransport, endpoint: str, server_key: str | None, timeout_s: fl
     k = torch.randn(L, P, S, KVH, D).to(torch.bfloat16)
     v = torch.randn(L, P, S, KVH, D).to(torch.bfloat16)
     res = Reservation(request_id="r1", reservation_id=new_reservation_id(), nonce=new_nonce(), num_tokens=2 * S,
-                      page_ids=[0, 1], model_fingerprint="fp", page_size=S, kv_dtype=dtype_name(torch.bfloat16),
-                      kv_layout="x", kv_endpoint=endpoint, kv_key=server_key or "")
+                      page_ids=[0, 1], kv_endpoint=endpoint, kv_key=server_key or "",
+                      kv=KVSpec(model_fingerprint="fp", page_size=S, kv_dtype="bfloat16", kv_layout="x"))
     payload = pack_pages(k, v, [3, 5])
-    man = build_manifest(res, payload, num_tokens=2 * S, first_token=0, model_fingerprint="fp", page_size=S,
-                         kv_dtype=res.kv_dtype, kv_layout="x")
+    man = build_manifest(res, payload, num_tokens=2 * S, first_token=0, kv=res.kv)
     return tx.send(res.kv_endpoint, man, payload, timeout_s=timeout_s, server_key=server_key, session=session), res
 
 

@@ -21,9 +21,11 @@ from hypothesis import strategies as st
 
 from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.errors import ErrorInfo
+from kvseal.kv.spec import KVSpec
 from kvseal.transfer.manifest import KVManifest, PagePayload, Reservation, build_manifest
 from kvseal.transfer.zmq import TransferHeader, TransferReply
 from kvseal.worker import protocol as P
+from tests.helpers.cards import CARD
 from tests.helpers.fleet import LoopbackFleet, module_fleet
 from tests.helpers.procs import wait_until
 
@@ -77,7 +79,7 @@ class Fleet(LoopbackFleet):
             if s.poll(100):
                 answer = P.decode(s.recv())  # the worker's own answers are well-formed
                 if isinstance(answer, P.InfoResp) and answer.call_id == call_id:
-                    return int(answer.info["frames_refused"])
+                    return int(answer.figures["frames_refused"])
         raise AssertionError(f"the {target} worker did not answer an InfoReq after {frames!r}")
 
     def kv_replies(self, transfer_id: str | None, timeout: float = 10.0) -> list[TransferReply]:
@@ -107,8 +109,7 @@ class Fleet(LoopbackFleet):
         k, v = bytearray(os.urandom(n * page_bytes)), bytearray(os.urandom(n * page_bytes))
         payload = PagePayload.from_buffers(bytes(k), bytes(v), n)
         m = build_manifest(res, payload, num_tokens=res.num_tokens, first_token=first_token,
-                           model_fingerprint=res.model_fingerprint, page_size=res.page_size, kv_dtype=res.kv_dtype,
-                           kv_layout=res.kv_layout)
+                           kv=res.kv)
         return m, k, v
 
     def call_decode(self, msg: P.Message, timeout: float = 10.0) -> P.Message:
@@ -162,8 +163,9 @@ errors = st.builds(ErrorInfo, kind=st.sampled_from(["InvalidRequest", "Nope", "K
 def reservations(kv: str) -> st.SearchStrategy[Any]:
     endpoints = st.sampled_from([kv, "tcp://127.0.0.1:1", "tcp://[::1", "ipc:///nonexistent/x", "nonsense", ""])
     return st.builds(Reservation, request_id=rids, reservation_id=st.text(max_size=8), nonce=st.text(max_size=8),
-                     num_tokens=ints, page_ids=st.lists(ints, max_size=8), model_fingerprint=st.text(max_size=8),
-                     page_size=ints, kv_dtype=st.text(max_size=8), kv_layout=st.text(max_size=8),
+                     num_tokens=ints, page_ids=st.lists(ints, max_size=8),
+                     kv=st.builds(KVSpec, model_fingerprint=st.text(max_size=8), page_size=ints,
+                                  kv_dtype=st.text(max_size=8), kv_layout=st.text(max_size=8)),
                      kv_endpoint=endpoints)
 
 
@@ -178,7 +180,7 @@ def control_messages(kv: str) -> st.SearchStrategy[P.Message]:
         st.builds(P.AbortReq, request_id=rids, error=errors),
         st.builds(P.DeltaMsg, delta=st.builds(lambda r: __import__("kvseal.engine.messages").engine.messages
                                               .GenerateDelta(r, [], ""), rids), seq=ints),
-        st.builds(P.InfoResp, call_id=cid, info=st.just({})),
+        st.builds(P.InfoResp, call_id=cid, card=st.just(CARD), draining=st.booleans(), figures=st.just({})),
         st.builds(P.JoinReq, call_id=cid, role=st.text(max_size=8), endpoint=st.text(max_size=8)),
         st.builds(P.DrainResp, call_id=cid, inflight=ints),
     )
@@ -269,7 +271,8 @@ def kv_frames(draw: st.DrawFn, fleet: Fleet) -> tuple[list[bytes], str | None, b
     fields = draw(st.dictionaries(st.sampled_from(["num_tokens", "num_pages", "first_token", "page_size"]), ints,
                                   max_size=2))
     if kind == "mutated_manifest":
-        m = msgspec.structs.replace(m, **fields)
+        kv = msgspec.structs.replace(m.kv, **{f: fields.pop(f) for f in list(fields) if f == "page_size"})
+        m = msgspec.structs.replace(m, kv=kv, **fields)
     elif kind == "mutated_payload":
         k[draw(st.integers(0, len(k) - 1))] ^= 0xFF
     header = msgspec.msgpack.encode(TransferHeader(transfer_id=draw(st.text(max_size=8)), manifest=m))

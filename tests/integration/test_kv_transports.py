@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kvseal.errors import KvsealError, TransferTimeout, TransferVerificationFailed, WorkerFailed
+from kvseal.kv.spec import KVSpec
 from kvseal.transfer.base import (
     Arrival,
     TransferHandle,
@@ -77,8 +78,8 @@ class Decode:
 
     def reserve(self, request_id: str, num_tokens: int, page_ids: list[int]) -> Reservation:
         res = Reservation(request_id=request_id, reservation_id=new_reservation_id(), nonce=new_nonce(),
-                          num_tokens=num_tokens, page_ids=page_ids, model_fingerprint=FP, page_size=S,
-                          kv_dtype=dtype_name(DTYPE), kv_layout=LAYOUT, kv_endpoint=self.endpoint)
+                          num_tokens=num_tokens, page_ids=page_ids, kv=KVSpec(model_fingerprint=FP, page_size=S,
+                          kv_dtype=dtype_name(DTYPE), kv_layout=LAYOUT), kv_endpoint=self.endpoint)
         self.reservations[request_id] = res
         return res
 
@@ -153,8 +154,8 @@ class Prefill:
     def offer(self, res: Reservation, pages: list[int]) -> tuple[KVManifest, PagePayload | PoolPages]:
         src = PoolPages(self.k, self.v, tuple(pages))
         payload: PagePayload | PoolPages = src.pack() if self.tx.staged else src
-        man = build_manifest(res, src, num_tokens=res.num_tokens, first_token=7, model_fingerprint=FP,
-                             page_size=S, kv_dtype=dtype_name(DTYPE), kv_layout=LAYOUT)
+        man = build_manifest(res, src, num_tokens=res.num_tokens, first_token=7, kv=KVSpec(model_fingerprint=FP,
+                             page_size=S, kv_dtype=dtype_name(DTYPE), kv_layout=LAYOUT))
         return man, payload
 
 
@@ -236,8 +237,8 @@ def test_a_stalled_receiver_times_out_the_sender(kind: str, prefill: Prefill) ->
         rx.register(k, v)
         endpoint = rx.listen("tcp://127.0.0.1:0")
         res = Reservation(request_id="r4", reservation_id=new_reservation_id(), nonce=new_nonce(), num_tokens=S,
-                          page_ids=[0], model_fingerprint=FP, page_size=S, kv_dtype=dtype_name(DTYPE),
-                          kv_layout=LAYOUT, kv_endpoint=endpoint)
+                          page_ids=[0], kv=KVSpec(model_fingerprint=FP, page_size=S, kv_dtype=dtype_name(DTYPE),
+                          kv_layout=LAYOUT), kv_endpoint=endpoint)
         man, payload = prefill.offer(res, [3])
         t0 = time.monotonic()
         h = prefill.tx.send(endpoint, man, payload, timeout_s=0.5)
@@ -259,8 +260,8 @@ def _dying_sender(kind: str, endpoint: str, res_bytes: bytes, sent: mp.Queue[str
     tx.register(k, v)
     res = msgspec.msgpack.decode(res_bytes, type=Reservation)
     src = PoolPages(k, v, (1, 2))
-    man = build_manifest(res, src, num_tokens=res.num_tokens, first_token=7, model_fingerprint=FP, page_size=S,
-                         kv_dtype=dtype_name(DTYPE), kv_layout=LAYOUT)
+    man = build_manifest(res, src, num_tokens=res.num_tokens, first_token=7,
+                         kv=KVSpec(model_fingerprint=FP, page_size=S, kv_dtype=dtype_name(DTYPE), kv_layout=LAYOUT))
     h = tx.send(endpoint, man, src.pack() if tx.staged else src)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not tx.poll(h).done and tx.staged:
@@ -281,8 +282,8 @@ def test_a_sender_that_dies_mid_handoff_never_gets_pages_admitted_that_did_not_a
         rx.register(k, v)
         endpoint = rx.listen("tcp://127.0.0.1:0")
         res = Reservation(request_id="r5", reservation_id=new_reservation_id(), nonce=new_nonce(),
-                          num_tokens=2 * S, page_ids=[6, 7], model_fingerprint=FP, page_size=S,
-                          kv_dtype=dtype_name(DTYPE), kv_layout=LAYOUT, kv_endpoint=endpoint)
+                          num_tokens=2 * S, page_ids=[6, 7], kv=KVSpec(model_fingerprint=FP, page_size=S,
+                          kv_dtype=dtype_name(DTYPE), kv_layout=LAYOUT), kv_endpoint=endpoint)
         ctx = mp.get_context("spawn")
         sent: mp.Queue[str] = ctx.Queue()
         proc = ctx.Process(target=_dying_sender, args=(kind, endpoint, msgspec.msgpack.encode(res), sent))

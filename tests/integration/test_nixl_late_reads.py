@@ -24,6 +24,7 @@ import zmq
 
 from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import KvsealError, TransferTimeout
+from kvseal.kv.spec import KVSpec
 from kvseal.lifecycle import State
 from kvseal.transfer.base import TransferHandle, TransferState, create_transport
 from kvseal.transfer.manifest import KVManifest, PoolPages, Reservation, new_nonce, new_reservation_id
@@ -187,8 +188,8 @@ def test_prefill_keeps_what_it_offered_until_decode_answers_even_after_its_own_t
 
             def send(rid: str, pages: tuple[int, ...]) -> TransferHandle:
                 res = Reservation(request_id=rid, reservation_id=new_reservation_id(), nonce=new_nonce(),
-                                  num_tokens=4 * len(pages), page_ids=list(pages), model_fingerprint="fp",
-                                  page_size=4, kv_dtype="bfloat16", kv_layout="L2", kv_endpoint=endpoint)
+                                  num_tokens=4 * len(pages), page_ids=list(pages), kv=KVSpec(model_fingerprint="fp",
+                                  page_size=4, kv_dtype="bfloat16", kv_layout="L2"), kv_endpoint=endpoint)
                 src = PoolPages(k, v, pages)
                 return tx.send(endpoint, spec.manifest(res, src), src, timeout_s=0.3)
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 import zmq
 
+from kvseal.kv.spec import KVSpec
 from kvseal.lifecycle import State
 from kvseal.transfer.base import TransferState, create_transport
 from kvseal.transfer.manifest import PoolPages, Reservation, new_nonce, new_reservation_id
@@ -246,8 +247,8 @@ def test_a_decode_worker_reads_only_the_pages_it_was_offered_while_the_offer_liv
 def reserve_like(spec: PoolSpec, rid: str, pages: int) -> Reservation:
     return Reservation(request_id=rid, reservation_id=new_reservation_id(), nonce=new_nonce(),
                        num_tokens=pages * spec.page_size, page_ids=list(range(pages)),
-                       model_fingerprint=spec.fingerprint, page_size=spec.page_size, kv_dtype=spec.dtype,
-                       kv_layout=spec.kv_layout, kv_endpoint="")
+                       kv=KVSpec(model_fingerprint=spec.fingerprint, page_size=spec.page_size, kv_dtype=spec.dtype,
+                       kv_layout=spec.kv_layout), kv_endpoint="")
 
 
 def block_list(k_addr: int, v_addr: int, layers: int, pages: int, block: int) -> np.ndarray:

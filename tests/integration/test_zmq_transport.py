@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from kvseal.errors import TransferVerificationFailed
+from kvseal.kv.spec import KVSpec
 from kvseal.transfer.base import TransferHandle, TransferState, TransferStatus
 from kvseal.transfer.manifest import (
     KVManifest,
@@ -56,8 +57,8 @@ class Decode:
 
     def reserve(self, request_id: str, num_tokens: int, page_ids: list[int]) -> Reservation:
         res = Reservation(request_id=request_id, reservation_id=new_reservation_id(), nonce=new_nonce(),
-                          num_tokens=num_tokens, page_ids=page_ids, model_fingerprint=FP, page_size=S,
-                          kv_dtype=dtype_name(DTYPE), kv_layout=LAYOUT, kv_endpoint=self.endpoint)
+                          num_tokens=num_tokens, page_ids=page_ids, kv=KVSpec(model_fingerprint=FP, page_size=S,
+                          kv_dtype=dtype_name(DTYPE), kv_layout=LAYOUT), kv_endpoint=self.endpoint)
         self.reservations[request_id] = res
         return res
 
@@ -102,8 +103,8 @@ def prefill_kv(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def handoff(res: Reservation, pages: list[int], seed: int = 0) -> tuple[KVManifest, PagePayload]:
     k, v = prefill_kv(seed)
     payload = pack_pages(k, v, pages)
-    man = build_manifest(res, payload, num_tokens=res.num_tokens, first_token=3, model_fingerprint=FP,
-                         page_size=S, kv_dtype=dtype_name(DTYPE), kv_layout=LAYOUT)
+    man = build_manifest(res, payload, num_tokens=res.num_tokens, first_token=3, kv=KVSpec(model_fingerprint=FP,
+                         page_size=S, kv_dtype=dtype_name(DTYPE), kv_layout=LAYOUT))
     return man, payload
 
 
@@ -122,8 +123,8 @@ def test_unreachable_endpoint_times_out() -> None:
         endpoint = probe.listen("tcp://127.0.0.1:0")
     with ZmqTransport(timeout_s=0.2) as tx:
         res = Reservation(request_id="req-gone", reservation_id="r", nonce=new_nonce(), num_tokens=4,
-                          page_ids=[0], model_fingerprint=FP, page_size=S, kv_dtype="bfloat16",
-                          kv_layout=LAYOUT, kv_endpoint=endpoint)
+                          page_ids=[0], kv=KVSpec(model_fingerprint=FP, page_size=S, kv_dtype="bfloat16",
+                          kv_layout=LAYOUT), kv_endpoint=endpoint)
         status = wait_done(tx, tx.send(endpoint, *handoff(res, pages=[0])), within_s=2.0)
     assert status.state is TransferState.TIMED_OUT
 

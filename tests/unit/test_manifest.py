@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvseal.errors import TransferVerificationFailed
+from kvseal.kv.spec import KVSpec
 from kvseal.transfer.manifest import (
     CHECKSUM_ALGO,
     KVManifest,
@@ -43,8 +44,8 @@ def pools(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
 
 def reservation(dtype: torch.dtype = torch.float32) -> Reservation:
     return Reservation(request_id="req-1", reservation_id=new_reservation_id(), nonce=new_nonce(),
-                       num_tokens=NUM_TOKENS, page_ids=DECODE_PAGES, model_fingerprint=FP, page_size=S,
-                       kv_dtype=dtype_name(dtype), kv_layout=LAYOUT, kv_endpoint="tcp://127.0.0.1:1")
+                       num_tokens=NUM_TOKENS, page_ids=DECODE_PAGES, kv=KVSpec(model_fingerprint=FP, page_size=S,
+                       kv_dtype=dtype_name(dtype), kv_layout=LAYOUT), kv_endpoint="tcp://127.0.0.1:1")
 
 
 def handoff(dtype: torch.dtype = torch.float32) -> tuple[Reservation, KVManifest, PagePayload]:
@@ -52,8 +53,8 @@ def handoff(dtype: torch.dtype = torch.float32) -> tuple[Reservation, KVManifest
     res = reservation(dtype)
     payload = pack_pages(k, v, PREFILL_PAGES)
     man = build_manifest(res, payload, num_tokens=NUM_TOKENS, first_token=42, first_logprob=-0.25,
-                         first_top=[(42, -0.25), (7, -1.5)], model_fingerprint=FP, page_size=S,
-                         kv_dtype=dtype_name(dtype), kv_layout=LAYOUT)
+                         first_top=[(42, -0.25), (7, -1.5)], kv=KVSpec(model_fingerprint=FP, page_size=S,
+                         kv_dtype=dtype_name(dtype), kv_layout=LAYOUT))
     return res, man, payload
 
 
@@ -151,6 +152,11 @@ def field(**changes: object) -> Callable[[KVManifest, PagePayload], tuple[KVMani
     return lambda m, p: (msgspec.structs.replace(m, **changes), p)
 
 
+def kv_field(**changes: object) -> Callable[[KVManifest, PagePayload], tuple[KVManifest, PagePayload]]:
+    """The manifest claims another KV spec (prefill's own view of its KV)."""
+    return lambda m, p: (msgspec.structs.replace(m, kv=msgspec.structs.replace(m.kv, **changes)), p)
+
+
 Tamper = Callable[[KVManifest, PagePayload], tuple[KVManifest, PagePayload]]
 
 TAMPERS: list[tuple[str, Tamper, str]] = [
@@ -160,10 +166,10 @@ TAMPERS: list[tuple[str, Tamper, str]] = [
     ("fewer tokens", field(num_tokens=NUM_TOKENS - 1), f"num_tokens: expected {NUM_TOKENS}, received 9"),
     ("fewer pages", fewer_pages, "num_pages (reserved pages): expected 3, received 2"),
     ("flipped byte", lambda m, p: (m, flip_byte(p, page=1)), "page_checksums[1] (reserved page 2;"),
-    ("wrong fingerprint", field(model_fingerprint="fp-other"), "model_fingerprint: expected 'fp-tiny-1'"),
-    ("wrong page size", field(page_size=8), "page_size: expected 4, received 8"),
-    ("wrong kv dtype", field(kv_dtype="bfloat16"), "kv_dtype: expected 'float32', received 'bfloat16'"),
-    ("wrong kv layout", field(kv_layout="L3xPxSx1x16"), "kv_layout"),
+    ("wrong fingerprint", kv_field(model_fingerprint="fp-other"), "model_fingerprint: expected 'fp-tiny-1'"),
+    ("wrong page size", kv_field(page_size=8), "page_size: expected 4, received 8"),
+    ("wrong kv dtype", kv_field(kv_dtype="bfloat16"), "kv_dtype: expected 'float32', received 'bfloat16'"),
+    ("wrong kv layout", kv_field(kv_layout="L3xPxSx1x16"), "kv_layout"),
     ("other checksum algorithm", field(checksum="crc32"), "checksum algorithm"),
     ("newer schema", field(v=2), "manifest schema version: expected 1, received 2"),
     ("missing checksums", field(page_checksums=[1, 2]), "number of page_checksums"),

@@ -7,13 +7,14 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvseal.kv.spec import KVSpec
 from kvseal.transfer.manifest import KVManifest
 from kvseal.transfer.nixl_offer import ADDRESS_SPACE, MAX_PAGES, Geometry, NixlOffer, check_offer, offered
 
 READER = Geometry(k_ptr=0x10000, v_ptr=0x90000, layers=3, pages=16, block=256)
 MANIFEST = KVManifest(request_id="r", reservation_id="x", nonce="0" * 32, num_tokens=9, num_pages=3,
-                      page_checksums=[0, 0, 0], checksum="xxh3_64", first_token=1, model_fingerprint="fp",
-                      page_size=4, kv_dtype="bfloat16", kv_layout="L")
+                      page_checksums=[0, 0, 0], checksum="xxh3_64", first_token=1, kv=KVSpec(model_fingerprint="fp",
+                      page_size=4, kv_dtype="bfloat16", kv_layout="L"))
 GOOD = NixlOffer(agent="kvseal-prefill", metadata=b"md", k_addr=0x7F0000000000, v_addr=0x7F0001000000, layers=3,
                  pool_pages=32, block_bytes=256, page_ids=[4, 5, 31], readable_s=60.0)
 SPAN = 3 * 32 * 256

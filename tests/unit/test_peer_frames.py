@@ -48,8 +48,7 @@ def _rebuilt(m: KVManifest, res: Reservation, payload: PagePayload, first_token:
              first_logprob: float | None = None, first_top: tuple[tuple[int, float], ...] = ()) -> KVManifest:
     """A well-formed manifest (every checksum matches) that claims another first token or logprobs."""
     return build_manifest(res, payload, num_tokens=m.num_tokens, first_token=first_token,
-                          model_fingerprint=m.model_fingerprint, page_size=m.page_size, kv_dtype=m.kv_dtype,
-                          kv_layout=m.kv_layout, first_logprob=first_logprob, first_top=first_top)
+                          kv=m.kv, first_logprob=first_logprob, first_top=first_top)
 
 
 def _run(d: DecodeEngine) -> dict[str, list[GenerateDelta]]:
