@@ -41,7 +41,7 @@ from kvseal.errors import (
 from kvseal.hooks import NO_FAULTS, Hooks
 from kvseal.identity import tokenizer_digest
 from kvseal.ledger.store import Ledger, LedgerRow
-from kvseal.lifecycle import Lifecycle, State
+from kvseal.lifecycle import State
 from kvseal.model.tokenizer import Tokenizer
 from kvseal.router.affinity import PrefixAffinity
 from kvseal.router.disagg_request import DEFAULT_TIMEOUTS, DisaggRequest, HandoffTimeouts
@@ -75,7 +75,7 @@ class DisaggBackend:
         self.spec: FleetSpec | None = None
         self.prefills: list[WorkerClient] = []
         self.decodes: list[WorkerClient] = []
-        self.lifecycles: dict[str, Lifecycle] = {}  # live requests only
+        self.requests: dict[str, DisaggRequest] = {}  # the live requests, each in its one home
         self.ended: dict[str, int] = {s.value: 0 for s in (State.FINISHED, State.REJECTED, State.ABORTED,
                                                            State.FAILED)}
         self._ctx: zmq.asyncio.Context | None = None
@@ -225,7 +225,7 @@ class DisaggBackend:
                 "test_faults": self.hooks.spec, "fleet_endpoint": self.fleet_endpoint,
                 "fleet_auth": "curve" if self.keys is not None else "off",
                 "auth_refused": self._zap.refused if self._zap is not None else 0,
-                "live_requests": len(self.lifecycles), "ended": dict(self.ended),
+                "live_requests": len(self.requests), "ended": dict(self.ended),
                 "routed_by_prefix": self.affinity.routed_by_prefix, "workers": workers}
 
     def _pick(self, pool: list[WorkerClient], role: str, req: GenerateRequest | None = None) -> WorkerClient:
@@ -256,7 +256,7 @@ class DisaggBackend:
         """One request, along the protocol (router/disagg_request.py). pin: (prefill endpoint, decode endpoint)
         to use instead of the pairing policy (kvseal doctor)."""
         r = DisaggRequest(req, self.timeouts)
-        self.lifecycles[req.request_id] = r.life
+        self.requests[req.request_id] = r
         try:
             await r.reserve(self._pinned(self.prefills, "prefill", pin[0]) if pin else
                             self._pick(self.prefills, "prefill", req),
@@ -277,7 +277,7 @@ class DisaggBackend:
     def _ended(self, r: DisaggRequest) -> None:
         """The request's one terminal state is counted, and its row goes to the forensic ledger."""
         life = r.life
-        self.lifecycles.pop(r.req.request_id, None)
+        self.requests.pop(r.req.request_id, None)
         self.ended[life.state.value] = self.ended.get(life.state.value, 0) + 1
         if self.ledger is not None:
             error = life.outcome.error if life.outcome is not None else None
