@@ -39,7 +39,7 @@ import json, resource, sys, time
 t0 = time.perf_counter()
 import torch
 from kvseal.config import ModelConfig
-from kvseal.engine.engine import resolve_device
+from kvseal.engine.devices import resolve_device
 from kvseal.kernels.arithmetic import resolve_arithmetic
 from kvseal.kernels.build import resolve
 from kvseal.model.llama import LlamaModel

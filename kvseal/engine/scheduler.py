@@ -176,6 +176,11 @@ class Scheduler:
                 return True
         return False
 
+    def park(self, seq: Sequence) -> None:
+        """Take a running sequence out of the batch, its pages kept (prefill: its KV waits for decode to take it;
+        it leaves through remove() or release())."""
+        self.running.remove(seq)
+
     def preempt(self, seq: Sequence) -> None:
         """Preempt a running sequence outside a step (decode's reservations make room): pages scrubbed and freed,
         recomputed later, its output so far kept."""

@@ -7,11 +7,16 @@ A prefix-cache hit is the same rule too: the cached pages come first in `pages` 
 num_computed starts at the end of them; every page written from there on is the sequence's own.
 With a window pool (kv/window.py) the sliding layers' KV is in window_pages, which hold positions from
 window_base * page_size on: the pages before it left the window and were dropped.
+A disaggregated request's handoff lives here too (engine/kv_prefill.py, engine/kv_decode.py): on prefill its
+`handoff` from the first token until decode took the KV; on decode its `reservation` from RESERVED until the
+arrived KV was verified (or the request ended), and `landing` while an in-place transport may write its pages.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvseal.engine.messages import GenerateRequest, SamplingParams, TokenLogprob
@@ -21,6 +26,17 @@ from kvseal.model.detokenize import IncrementalDecoder
 
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
+
+    from kvseal.transfer.manifest import Reservation
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Prefill: the prompt's KV is computed and its first token sampled; decode has not taken the KV yet."""
+
+    first_token: int
+    first_logprob: TokenLogprob | None
+    num_pages: int  # pages holding the prompt's KV: ceil(prompt_len / page_size)
 
 
 class Sequence:
@@ -57,6 +73,13 @@ class Sequence:
         # since when this waiting sequence has been refused pages at every step it was considered (None
         # while it is not blocked on pages): a queue that is merely busy computing never times out
         self.blocked_since: float | None = None
+        # admitted, waiting for its grammar to compile (outside the scheduler): what to do once its matcher is set
+        self.after_grammar: Callable[[], None] | None = None
+        # the handoff (None in a unified engine; see the module docstring)
+        self.handoff: Handoff | None = None
+        self.reservation: Reservation | None = None
+        self.reserved_until = 0.0  # decode: the reservation ends then (monotonic) unless renewed or its KV arrived
+        self.landing = False
 
     @property
     def num_tokens(self) -> int:

@@ -9,10 +9,10 @@ one the engine's fairness would admit next (engine/fairness.py: with vtc, of the
 tenant by priority, then arrival; with off, arrival order), and only when it fits: no other request takes pages
 ahead of it. With vtc, a reservation of a tenant within its fair share of the pool that finds no room preempts
 decoding requests of the tenant most over its share (recomputed here later, their output so far kept:
-DecodeEngine.make_room). A tenant with a kv_share holds at most that share of the pool in reservations and requests (at
-their longest); its further reservations wait without holding back other tenants'. Each request's deltas are
-numbered for the router's continuity check. While tenants compete (vtc), a reservation is granted to a tenant only
-while its requests here stay within its fair share of the pool (DecodeEngine.within_fair_reservations).
+engine/decode_admission.py make_room). A tenant with a kv_share holds at most that share of the pool in reservations
+and requests (at their longest); its further reservations wait without holding back other tenants'. Each request's
+deltas are numbered for the router's continuity check. While tenants compete (vtc), a reservation is granted to a
+tenant only while its requests here stay within its fair share of the pool (decode_admission.within_fair_reservations).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvseal.auth.keys import MemberKeys
-from kvseal.engine.disagg import DecodeEngine
+from kvseal.engine import decode_admission as admission
+from kvseal.engine.engine import Engine
+from kvseal.engine.kv_decode import DecodeConnector
 from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.errors import InternalError, KvsealError, Overloaded, TransferVerificationFailed, WorkerFailed
 from kvseal.hooks import Hooks
@@ -49,12 +51,12 @@ class _Queued:
 class DecodeWorker(WorkerServer):
     role = "decode"
 
-    def __init__(self, engine: DecodeEngine, bind: str, kv_bind: str, hooks: Hooks,
+    def __init__(self, engine: Engine, bind: str, kv_bind: str, hooks: Hooks,
                  reservation_timeout_s: float = 120.0, drain_timeout_s: float = 600.0,
                  kv_transport: str = "zmq", keys: MemberKeys | None = None, kv_channel: str = "mac",
                  kv_advertise_host: str | None = None) -> None:
         super().__init__(engine, bind, hooks, drain_timeout_s, keys)
-        self.dengine = engine
+        self.kv = DecodeConnector(engine, verify_kv=self.hooks.verify_kv)
         self.kv_transport = kv_transport
         # a frame larger than the whole pool is never a real transfer: the transport drops its sender
         self.transport = create_transport(
@@ -74,15 +76,15 @@ class DecodeWorker(WorkerServer):
         return {**super().figures(), "kv_endpoint": self.kv_endpoint,
                 "kv_channel": ("mac" if getattr(self.transport, "kv_session", "") else "curve") if self.keys
                 else "plain",
-                "kv_landing": len(self.dengine.landing), "kv_quarantined": len(self.dengine.quarantined),
-                **self.kv_figures(), "reservations": len(self.dengine.reserved),
+                "kv_landing": len(self.kv.landing), "kv_quarantined": len(self.kv.quarantined),
+                **self.kv_figures(), "reservations": self.kv.num_reserved(),
                 "reservations_queued": len(self.queue)}
 
     def reservation_timeout(self) -> float | None:
         return self.reservation_timeout_s
 
     def kv_figures(self) -> dict[str, int]:
-        return {"kv_quarantined_pages": sum(len(s.pages) for s in self.dengine.quarantined.values()),
+        return {"kv_quarantined_pages": sum(len(s.pages) for s in self.kv.quarantined.values()),
                 **self.transport.figures()}
 
     def handle(self, ident: bytes, msg: P.Message) -> None:
@@ -91,7 +93,7 @@ class DecodeWorker(WorkerServer):
                 self.counters["requests_received"] += 1
                 try:
                     self.refuse_new()
-                    self.dengine.scheduler.fair.seen(req.tenant, req.weight, time.monotonic())
+                    self.engine.scheduler.fair.seen(req.tenant, req.weight, time.monotonic())
                     if self.queue or not self._fits_now(req) or not self._may_reserve(req):
                         self._enqueue(_Queued(ident, cid, req))
                         return
@@ -100,32 +102,33 @@ class DecodeWorker(WorkerServer):
                     self.send(ident, P.ReserveResp(call_id=cid, error=err.to_info()))
             case P.ReleaseReq(request_id=rid, error=err, rejected=rejected):
                 self._dequeue(rid)
-                self.dengine.release(rid, KvsealError.from_info(err), rejected)
+                self.kv.release(rid, KvsealError.from_info(err), rejected)
             case P.RenewReq(request_id=rid):
-                self.dengine.renew(rid, time.monotonic() + self.reservation_timeout_s)
+                self.kv.renew(rid, time.monotonic() + self.reservation_timeout_s)
             case P.AbortReq(request_id=rid, error=err):
                 self._dequeue(rid)
-                self.dengine.abort(rid, KvsealError.from_info(err))
+                self.engine.abort(rid, KvsealError.from_info(err))
             case _:
                 super().handle(ident, msg)
 
     # -- reservations in arrival order -----------------------------------------------------------------
     def _fits_now(self, req: GenerateRequest) -> bool:
-        return self.dengine.pages_available(req) >= self.dengine.pages_for_prompt(len(req.prompt_ids))
+        e = self.engine
+        return admission.pages_available(e, req) >= admission.pages_for_prompt(e, len(req.prompt_ids))
 
     def _may_reserve(self, req: GenerateRequest) -> bool:
-        return self.dengine.within_share(req) and self.dengine.within_fair_reservations(req)
+        return admission.within_share(self.engine, req) and admission.within_fair_reservations(self.engine, req)
 
     def _fits_with_room(self, req: GenerateRequest) -> bool:
         """It fits now, or (vtc) once requests of tenants over their fair share were preempted for it."""
-        return self._fits_now(req) or self.dengine.make_room(req)
+        return self._fits_now(req) or admission.make_room(self.engine, req)
 
     def _enqueue(self, q: _Queued) -> None:
-        limit = self.dengine.cfg.scheduler.max_waiting
+        limit = self.engine.cfg.scheduler.max_waiting
         if len(self.queue) >= limit:
             raise Overloaded(f"the decode worker has {len(self.queue)} requests waiting for KV pages "
                              f"(--max-waiting {limit}); retry later")
-        self.dengine.validate(len(q.request.prompt_ids), q.request.params.max_tokens)  # never fits: at once
+        self.engine.validate(len(q.request.prompt_ids), q.request.params.max_tokens)  # never fits: at once
         self.queue.append(q)
 
     def _dequeue(self, rid: str) -> None:
@@ -135,7 +138,7 @@ class DecodeWorker(WorkerServer):
                 return
 
     def _reserve(self, q: _Queued) -> None:
-        res = self.dengine.reserve(q.request, self.reservation_timeout_s, self.kv_endpoint,
+        res = self.kv.reserve(q.request, self.reservation_timeout_s, self.kv_endpoint,
                                    self.keys.public if self.keys is not None else "",
                                    getattr(self.transport, "kv_session", ""))
         self.owners[q.request.request_id] = q.ident
@@ -147,7 +150,7 @@ class DecodeWorker(WorkerServer):
         ready = [q for q in self.queue if self._may_reserve(q.request)]
         if not ready:
             return None
-        return self.dengine.scheduler.fair.pick(ready, lambda q: (
+        return self.engine.scheduler.fair.pick(ready, lambda q: (
             q.request.tenant, q.request.priority_class, q.request.priority, q.since))
 
     def _grant_queued(self) -> None:
@@ -158,9 +161,9 @@ class DecodeWorker(WorkerServer):
             except KvsealError as err:
                 self.send(q.ident, P.ReserveResp(call_id=q.call_id, error=err.to_info()))
         # a queue that moves is never timed out; one where no page was freed for wait_timeout_s cannot move
-        limit = self.dengine.cfg.scheduler.wait_timeout_s
+        limit = self.engine.cfg.scheduler.wait_timeout_s
         now = time.monotonic()
-        while self.queue and now - max(self.queue[0].since, self.dengine.scheduler.last_freed) > limit:
+        while self.queue and now - max(self.queue[0].since, self.engine.scheduler.last_freed) > limit:
             q = self.queue.popleft()
             self.send(q.ident, P.ReserveResp(call_id=q.call_id, error=Overloaded(
                 f"no KV pages were freed on the decode worker for {limit:g}s; retry later").to_info()))
@@ -172,29 +175,29 @@ class DecodeWorker(WorkerServer):
         now = time.monotonic()
         if now >= self._next_expiry:
             self._next_expiry = now + 0.5
-            self.dengine.expire_reservations(now)
+            self.kv.expire_reservations(now)
         self._grant_queued()
 
     def _claim(self, manifest: KVManifest) -> list[int]:
         """For an in-place transport: the reserved pages the KV may land in (pinned), or the refusal."""
         return self._checked(manifest.request_id, "claiming pages for",
-                             lambda: self.dengine.claim(manifest, check=self.hooks.verify_kv()))
+                             lambda: self.kv.claim(manifest))
 
     def _arrive(self, a: Arrival) -> None:
         rid = a.manifest.request_id
         if a.still_landing:  # past its deadline, the read still runs: the request ends, its pages stay claimed
             assert a.error is not None
             log.warning("KV of %r is late: %s", rid, a.error.message)
-            self.dengine.fail(rid, KvsealError.from_info(a.error))
+            self.engine.fail(rid, KvsealError.from_info(a.error))
             return
         if a.error is not None:  # the claimed pages' bytes did not all land: scrubbed and freed, request FAILED
             log.warning("KV of %r did not arrive: %s", rid, a.error.message)
-            self.dengine.landing_failed(rid, KvsealError.from_info(a.error))
+            self.kv.landing_failed(rid, KvsealError.from_info(a.error))
             self.counters["transfers_refused"] += 1
             a.reply(False, a.error)
             return
-        if a.landed is not None and rid in self.dengine.quarantined:  # ended while landing: nothing to verify
-            self.dengine.landing_failed(rid, WorkerFailed(f"request {rid!r} ended while its KV was landing"))
+        if a.landed is not None and rid in self.kv.quarantined:  # ended while landing: nothing to verify
+            self.kv.landing_failed(rid, WorkerFailed(f"request {rid!r} ended while its KV was landing"))
             self.counters["transfers_refused"] += 1
             a.reply(False, WorkerFailed(f"request {rid!r} ended on the decode worker while its KV was landing; "
                                         f"its pages were scrubbed and freed").to_info())
@@ -203,10 +206,10 @@ class DecodeWorker(WorkerServer):
 
         def accept() -> None:
             if a.landed is not None:
-                self.dengine.accept_landed(a.manifest, check=self.hooks.verify_kv())
+                self.kv.accept_landed(a.manifest)
             else:
                 assert a.payload is not None
-                self.dengine.accept(a.manifest, a.payload, check=self.hooks.verify_kv())
+                self.kv.accept(a.manifest, a.payload)
 
         try:
             self._checked(rid, "accepting", accept)
@@ -229,7 +232,7 @@ class DecodeWorker(WorkerServer):
         except Exception:  # no arrival ends this process; the request it named fails
             log.exception("%s the KV of %r failed", what, rid)
             failed = InternalError(f"the decode worker failed while {what} the KV of request {rid!r}")
-            self.dengine.release(rid, failed, rejected=False)
+            self.kv.release(rid, failed, rejected=False)
             self.counters["transfers_refused"] += 1
             raise failed from None
 
@@ -254,16 +257,16 @@ class DecodeWorker(WorkerServer):
         for rid in [rid for rid, who in self.owners.items() if who == ident]:
             del self.owners[rid]  # its final delta has nowhere to go
             self.next_seq.pop(rid, None)
-            self.dengine.fail(rid, err)
+            self.engine.fail(rid, err)
 
     def inflight(self) -> int:
-        return len(self.dengine.seqs) + len(self.queue)
+        return len(self.engine.seqs) + len(self.queue)
 
     def queued(self) -> int:
         return len(self.queue)
 
     def is_live(self, request_id: str) -> bool:
-        return request_id in self.dengine.seqs or any(q.request.request_id == request_id for q in self.queue)
+        return request_id in self.engine.seqs or any(q.request.request_id == request_id for q in self.queue)
 
     def sent_deltas(self, request_id: str) -> int:
         return self.next_seq.get(request_id, 0)

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvseal.auth.keys import MemberKeys
-from kvseal.engine.disagg import Handoff, PrefillEngine
+from kvseal.engine.engine import Engine
+from kvseal.engine.kv_prefill import PrefillConnector
 from kvseal.engine.messages import GenerateDelta
+from kvseal.engine.sequence import Sequence
 from kvseal.errors import InvalidRequest, KvsealError, WorkerFailed
 from kvseal.hooks import Hooks
 from kvseal.kv.allocator import pages_for
@@ -40,10 +42,10 @@ class _Job:
 class PrefillWorker(WorkerServer):
     role = "prefill"
 
-    def __init__(self, engine: PrefillEngine, bind: str, hooks: Hooks, transfer_timeout_s: float = 60.0,
+    def __init__(self, engine: Engine, bind: str, hooks: Hooks, transfer_timeout_s: float = 60.0,
                  drain_timeout_s: float = 600.0, kv_transport: str = "zmq", keys: MemberKeys | None = None) -> None:
         super().__init__(engine, bind, hooks, drain_timeout_s, keys)
-        self.pengine = engine
+        self.kv = PrefillConnector(engine)
         self.kv_transport = kv_transport
         mutate = self.hooks.outgoing_kv if hooks.spec else None
         # NIXL: each decode worker reads from an export window of its own, never from the pool (transfer/nixl.py)
@@ -52,7 +54,7 @@ class PrefillWorker(WorkerServer):
                                           **extra)
         self.transport.register(engine.pool.k, engine.pool.v)
         self.jobs: dict[str, _Job] = {}
-        self._held: list[tuple[float, Handoff]] = []  # handoffs a hook holds back (hold_handoff_s)
+        self._held: list[tuple[float, Sequence]] = []  # handoffs a hook holds back (hold_handoff_s)
 
     def figures(self) -> dict[str, Any]:
         return {**super().figures(), **self.kv_figures()}
@@ -67,7 +69,7 @@ class PrefillWorker(WorkerServer):
             case P.PrefillReq(call_id=cid, request=req, reservation=res):
                 self.counters["requests_received"] += 1
                 rid = req.request_id
-                if rid in self.jobs or rid in self.pengine.seqs:
+                if rid in self.jobs or rid in self.engine.seqs:
                     raise InvalidRequest(f"request {rid} is already being prefilled")
                 self.jobs[rid] = _Job(ident, cid, res)
                 try:
@@ -90,10 +92,10 @@ class PrefillWorker(WorkerServer):
         return bool(self._held) or any(j.handle is not None for j in self.jobs.values())
 
     def inflight(self) -> int:
-        return len(self.pengine.seqs) + len(self.jobs)
+        return len(self.engine.seqs) + len(self.jobs)
 
     def is_live(self, request_id: str) -> bool:
-        return request_id in self.pengine.seqs or request_id in self.jobs
+        return request_id in self.engine.seqs or request_id in self.jobs
 
     def peer_lost(self, ident: bytes) -> None:
         err = WorkerFailed("the router stopped reading; this request ended on the prefill worker")
@@ -113,16 +115,16 @@ class PrefillWorker(WorkerServer):
     def pump(self) -> None:
         self.transport.tend()  # late answers from decode release the pages it was offered
         now = time.monotonic()
-        ready = self.pengine.take_ready()
-        for h in ready:
-            job = self.jobs.get(h.seq.request_id)
+        ready = self.kv.take_ready()
+        for seq in ready:
+            job = self.jobs.get(seq.request_id)
             if job is not None:
-                self.send(job.ident, P.HandoffStarted(request_id=h.seq.request_id))
-        self._held += [(now + self.hooks.hold_handoff_s(), h) for h in ready]
-        due = [h for t, h in self._held if t <= now]
-        self._held = [(t, h) for t, h in self._held if t > now]
-        for h in due:
-            self._send(h)
+                self.send(job.ident, P.HandoffStarted(request_id=seq.request_id))
+        self._held += [(now + self.hooks.hold_handoff_s(), seq) for seq in ready]
+        due = [seq for t, seq in self._held if t <= now]
+        self._held = [(t, seq) for t, seq in self._held if t > now]
+        for seq in due:
+            self._send(seq)
         for rid, job in list(self.jobs.items()):
             if job.handle is None:
                 continue
@@ -132,25 +134,27 @@ class PrefillWorker(WorkerServer):
             if status.state is TransferState.ACKED:
                 self.counters["transfers_acked"] += 1
                 self.metrics.transfer_seconds.observe(time.monotonic() - job.sent_at)
-                self.pengine.end_handoff(rid, None)
+                self.kv.end_handoff(rid, None)
                 self._answer(rid, "handed_off", None)
             else:
                 self.counters["transfers_refused"] += 1
                 assert status.error is not None
                 # FAILED here too, pages freed; route() answers the router with decode's original error
-                self.pengine.end_handoff(rid, KvsealError.from_info(status.error))
+                self.kv.end_handoff(rid, KvsealError.from_info(status.error))
 
-    def _send(self, h: Handoff) -> None:
-        rid = h.seq.request_id
+    def _send(self, seq: Sequence) -> None:
+        rid = seq.request_id
         job = self.jobs.get(rid)
         if job is None:  # aborted meanwhile
-            self.pengine.end_handoff(rid, None)
+            self.kv.end_handoff(rid, None)
             return
-        manifest, payload = self.pengine.package(h, job.reservation, staged=self.transport.staged)
+        if seq.handoff is None:  # ended while a hook held it back
+            return
+        manifest, payload = self.kv.package(seq, job.reservation, staged=self.transport.staged)
         job.handle = self.transport.send(job.reservation.kv_endpoint, manifest, payload,
                                          server_key=job.reservation.kv_key or None,
                                          session=job.reservation.kv_session or None)
-        job.nbytes, job.cached_tokens, job.sent_at = payload.nbytes, h.seq.cached_tokens, time.monotonic()
+        job.nbytes, job.cached_tokens, job.sent_at = payload.nbytes, seq.cached_tokens, time.monotonic()
         self.counters["kv_bytes_sent"] += payload.nbytes
 
     def _answer(self, rid: str, state: str, err: KvsealError | None) -> None:
@@ -168,7 +172,7 @@ class PrefillWorker(WorkerServer):
         super().close()
 
 
-def export_pages(engine: PrefillEngine) -> int:
+def export_pages(engine: Engine) -> int:
     """Pages of the NIXL export window for each decode worker: room for two prompts of the whole context window,
     or a quarter of the pool if that is more, never more than the pool. An offer that finds it full waits for
     decode's answers (up to the transfer timeout); memory: this many pages per decode worker, beside the pool."""

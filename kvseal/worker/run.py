@@ -64,7 +64,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def run_worker(spec: WorkerSpec) -> int:
-    from kvseal.engine.disagg import DecodeEngine, PrefillEngine
+    from kvseal.engine.engine import Engine
     from kvseal.faults import hooks_from_spec
     from kvseal.worker.decode import DecodeWorker
     from kvseal.worker.join import Registration
@@ -84,10 +84,11 @@ def run_worker(spec: WorkerSpec) -> int:
     bind = f"tcp://{spec.host}:{spec.port}"
     server: WorkerServer
     if spec.role == "prefill":
-        server = PrefillWorker(PrefillEngine(cfg), bind, hooks, spec.transfer_timeout_s, spec.drain_timeout_s,
+        server = PrefillWorker(Engine(cfg, role="prefill"), bind, hooks, spec.transfer_timeout_s, spec.drain_timeout_s,
                                spec.kv_transport, spec.keys)
     else:
-        server = DecodeWorker(DecodeEngine(cfg), bind, f"tcp://{spec.kv_host or spec.host}:{spec.kv_port}", hooks,
+        kv_bind = f"tcp://{spec.kv_host or spec.host}:{spec.kv_port}"
+        server = DecodeWorker(Engine(cfg, role="decode"), bind, kv_bind, hooks,
                               spec.reservation_timeout_s, spec.drain_timeout_s, spec.kv_transport, spec.keys,
                               spec.kv_channel, spec.advertise_host)
     if spec.metrics_port >= 0:

@@ -17,7 +17,7 @@ import msgspec
 import torch
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvseal.engine.disagg import DecodeEngine
+from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
 from kvseal.hooks import NO_FAULTS
 from kvseal.kv.spec import KVSpec
@@ -40,7 +40,7 @@ class PoolSpec:
     kv_layout: str
 
     @staticmethod
-    def of(engine: DecodeEngine) -> PoolSpec:
+    def of(engine: Engine) -> PoolSpec:
         return PoolSpec(tuple(engine.pool.k.shape), str(engine.pool.k.dtype).removeprefix("torch."),
                         engine.fingerprint, engine.pool.page_size, engine.kv_layout)
 
@@ -61,7 +61,7 @@ def decode_worker(kv_transport: str, pool_tokens: int = 64) -> Iterator[DecodeWo
     cfg = EngineConfig(model=ModelConfig(max_model_len=pool_tokens),
                        cache=CacheConfig(page_size=4, pool_tokens=pool_tokens),
                        scheduler=SchedulerConfig(max_num_batched_tokens=32))
-    w = DecodeWorker(DecodeEngine(cfg, tiny_checkpoint()), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", NO_FAULTS,
+    w = DecodeWorker(Engine(cfg, tiny_checkpoint(), role="decode"), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", NO_FAULTS,
                      kv_transport=kv_transport)
     try:
         yield w
@@ -71,7 +71,7 @@ def decode_worker(kv_transport: str, pool_tokens: int = 64) -> Iterator[DecodeWo
 
 def reserve(w: DecodeWorker, rid: str, prompt: int = 9) -> Reservation:
     req = GenerateRequest(rid, [7] * prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    return w.dengine.reserve(req, 60.0, w.kv_endpoint)
+    return w.kv.reserve(req, 60.0, w.kv_endpoint)
 
 
 def pump(w: DecodeWorker, until: Callable[[], bool], timeout: float = 30.0,
@@ -82,7 +82,7 @@ def pump(w: DecodeWorker, until: Callable[[], bool], timeout: float = 30.0,
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout}s; decode info: {w.info()}")
         w.pump()
-        for d in w.dengine.step() if w.dengine.has_work() else []:
+        for d in w.engine.step() if w.engine.has_work() else []:
             if d.final is not None and finals is not None:
                 finals[d.request_id] = d
         time.sleep(0.001)

@@ -22,6 +22,7 @@ import pytest
 import torch
 import zmq
 
+from kvseal.engine.decode_admission import pages_available
 from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import KvsealError, TransferTimeout
 from kvseal.kv.spec import KVSpec
@@ -42,7 +43,7 @@ def tcp_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def test_a_read_past_its_deadline_keeps_its_pages_until_nixl_says_it_is_over(tcp_only: None) -> None:
     with decode_worker("nixl", pool_tokens=128) as w:
-        d = w.dengine
+        d = w.engine
         prefill = PrefillProcess(PoolSpec.of(d))
         stopped: list[float] = []
         try:
@@ -76,12 +77,12 @@ def test_a_read_past_its_deadline_keeps_its_pages_until_nixl_says_it_is_over(tcp
                 if not continued and now > stopped[0] + 0.5:
                     os.kill(prefill.pid, signal.SIGCONT)  # the stalled GET goes on: its bytes land now
                     continued.append(now)
-                over = ("late" not in d.landing and "late" not in d.quarantined
+                over = ("late" not in d.kv.landing and "late" not in d.kv.quarantined
                         and w.info().get("kv_reads_in_flight", 0) == 0)
                 if not over:
                     owned.append(d.allocator.owns(owner, pages))
                 if "late" in finals and not next_pages:  # the request ended: the next one takes all it can
-                    want = min(d.pages_available(), 28) * d.pool.page_size
+                    want = min(pages_available(d), 28) * d.pool.page_size
                     next_pages.extend(reserve(w, "next", prompt=want).page_ids)
                 return over
 
@@ -105,9 +106,9 @@ def test_a_read_past_its_deadline_keeps_its_pages_until_nixl_says_it_is_over(tcp
         late = finals["late"]  # ended at its deadline, long before the bytes could land: a 504, not a hostage
         assert late.error is not None and late.error.code == "transfer_timeout" and late.error.status == 504
         assert "next" in d.seqs and d.seqs["next"].life.state is State.RESERVED
-        d.release("next", KvsealError.from_info(late.error), rejected=False)
+        d.kv.release("next", KvsealError.from_info(late.error), rejected=False)
         d.allocator.check_integrity()
-        assert d.allocator.num_free == d.pool.num_pages and not d.landing and not d.quarantined
+        assert d.allocator.num_free == d.pool.num_pages and not d.kv.landing and not d.kv.quarantined
         assert figures.get("kv_export_pages_held") == 0  # prefill's window pages were freed at decode's answer
 
 
@@ -116,7 +117,7 @@ def test_a_read_whose_prefill_worker_died_is_over_and_its_pages_come_back(tcp_on
     so (the remote is disconnected), and that ends the read like ERR does. The pages are scrubbed and freed, the
     request fails with worker_failed, and the next reservation can have them: never quarantined for ever."""
     with decode_worker("nixl", pool_tokens=128) as w:
-        d = w.dengine
+        d = w.engine
         prefill = PrefillProcess(PoolSpec.of(d))
         stopped: list[float] = []
         try:
@@ -143,7 +144,7 @@ def test_a_read_whose_prefill_worker_died_is_over_and_its_pages_come_back(tcp_on
                 if stopped and not killed and time.monotonic() > stopped[0] + 0.3:
                     os.kill(prefill.pid, signal.SIGKILL)  # ... which then dies with it in flight
                     killed.append(time.monotonic())
-                return ("doomed" in finals and "doomed" not in d.landing and "doomed" not in d.quarantined
+                return ("doomed" in finals and "doomed" not in d.kv.landing and "doomed" not in d.kv.quarantined
                         and w.info().get("kv_reads_in_flight", 0) == 0)
 
             pump(w, read_over, timeout=60.0, finals=finals)
@@ -156,7 +157,7 @@ def test_a_read_whose_prefill_worker_died_is_over_and_its_pages_come_back(tcp_on
         assert killed, "the read ended before the prefill worker was killed: nothing was tested"
         assert not d.pool.k[:, pages].any() and not d.pool.v[:, pages].any(), "freed pages were not scrubbed"
         d.allocator.check_integrity()
-        assert d.allocator.num_free == d.pool.num_pages and not d.landing and not d.quarantined
+        assert d.allocator.num_free == d.pool.num_pages and not d.kv.landing and not d.kv.quarantined
         assert set(reserve(w, "next", prompt=len(pages) * d.pool.page_size).page_ids) <= set(range(d.pool.num_pages))
 
 

@@ -62,8 +62,8 @@ class RawPeer:
         self.sock.connect(endpoint)
 
     def offer(self, w: DecodeWorker, rid: str, offer: NixlOffer) -> TransferReply:
-        res = w.dengine.reservations[rid]
-        spec = PoolSpec.of(w.dengine)
+        res = w.kv.reservations[rid]
+        spec = PoolSpec.of(w.engine)
         k, v = spec.pool(3)
         m = spec.manifest(res, PoolPages(k, v, tuple(range(len(res.page_ids)))))
         header = msgspec.msgpack.encode(TransferHeader(transfer_id=f"t-{rid}", manifest=m))
@@ -77,32 +77,32 @@ class RawPeer:
 
 
 def good_offer(w: DecodeWorker, agent: str, md: bytes, pages: int) -> NixlOffer:
-    k = w.dengine.pool.k
+    k = w.engine.pool.k
     block = k[0, 0].numel() * k.element_size()
     return NixlOffer(agent=agent, metadata=md, k_addr=0x7F0000000000, v_addr=0x7F0010000000, layers=k.shape[0],
                      pool_pages=16, block_bytes=block, page_ids=list(range(pages)), readable_s=10.0)
 
 
 def untouched(w: DecodeWorker, rid: str) -> bool:
-    d = w.dengine
-    pages = d.reservations[rid].page_ids
-    return (d.seqs[rid].life.state is State.RESERVED and rid not in d.landing
+    d = w.engine
+    pages = d.kv.reservations[rid].page_ids
+    return (d.seqs[rid].life.state is State.RESERVED and rid not in d.kv.landing
             and not d.pool.k[:, pages].any() and not d.pool.v[:, pages].any())
 
 
 def serve_for_real(w: DecodeWorker, rid: str, kind: str) -> None:
     """The request's real prefill worker sends its KV: acked, admitted, decoded to the end."""
-    spec = PoolSpec.of(w.dengine)
+    spec = PoolSpec.of(w.engine)
     with create_transport(kind, timeout_s=20.0) as tx:
         k, v = spec.pool(7)
         tx.register(k, v)
-        src = PoolPages(k, v, tuple(range(10, 10 + len(w.dengine.reservations[rid].page_ids))))
-        h = tx.send(w.kv_endpoint, spec.manifest(w.dengine.reservations[rid], src), src if kind == "nixl"
+        src = PoolPages(k, v, tuple(range(10, 10 + len(w.kv.reservations[rid].page_ids))))
+        h = tx.send(w.kv_endpoint, spec.manifest(w.kv.reservations[rid], src), src if kind == "nixl"
                     else src.pack())
         st = wait_status(tx, h, also=w.pump)
     assert st.state is TransferState.ACKED, st
-    pump(w, lambda: rid not in w.dengine.seqs)
-    assert w.dengine.allocator.num_free == w.dengine.pool.num_pages
+    pump(w, lambda: rid not in w.engine.seqs)
+    assert w.engine.allocator.num_free == w.engine.pool.num_pages
 
 
 BAD_FIELDS: dict[str, tuple[Any, str]] = {
@@ -137,7 +137,7 @@ def test_an_offer_out_of_range_is_refused_before_the_claim_and_harms_nothing(
 @pytest.mark.parametrize("bad", ["garbage metadata", "another agent's metadata"])
 def test_an_error_after_the_claim_fails_the_request_and_frees_its_pages(
         nixl_decode: DecodeWorker, metadata: tuple[str, bytes], bad: str) -> None:
-    w, d = nixl_decode, nixl_decode.dengine
+    w, d = nixl_decode, nixl_decode.engine
     res = reserve(w, "r")
     offer = good_offer(w, *metadata, len(res.page_ids))
     offer = msgspec.structs.replace(offer, **({"metadata": b"\x00" * 64} if bad == "garbage metadata"
@@ -148,7 +148,7 @@ def test_an_error_after_the_claim_fails_the_request_and_frees_its_pages(
     finally:
         peer.close()
     assert not reply.ok and reply.error is not None and reply.error.code == "worker_failed", reply
-    assert "r" not in d.seqs and not d.landing and not d.quarantined  # the request failed ...
+    assert "r" not in d.seqs and not d.kv.landing and not d.kv.quarantined  # the request failed ...
     assert d.allocator.num_free == d.pool.num_pages and not d.pool.k.any()  # ... its pages scrubbed and freed
     assert w.info()["kv_reads_in_flight"] == 0
 
@@ -158,7 +158,7 @@ def test_an_error_after_the_claim_fails_the_request_and_frees_its_pages(
 def test_a_forged_arrival_is_dropped_and_the_live_request_is_served(kind: str, forged: str) -> None:
     with decode_worker(kind) as w:
         res = reserve(w, "r")
-        spec = PoolSpec.of(w.dengine)
+        spec = PoolSpec.of(w.engine)
         fake = msgspec.structs.replace(res, **{forged: new_nonce() if forged == "nonce" else new_reservation_id()})
         with create_transport(kind, timeout_s=20.0) as forger:
             k, v = spec.pool(9)

@@ -41,7 +41,7 @@ def test_workers_get_the_engine_config_as_one_message() -> None:
 
 
 def test_kv_dtype_auto_is_bfloat16_under_the_fast_arithmetic_only() -> None:
-    from kvseal.engine.engine import resolve_kv_dtype
+    from kvseal.engine.devices import resolve_kv_dtype
 
     assert resolve_kv_dtype("auto", "float32", fast=True) == "bfloat16"
     assert resolve_kv_dtype("auto", "float32", fast=False) == "float32"  # exact keeps its float32 reference

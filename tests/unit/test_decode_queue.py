@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvseal.engine.disagg import DecodeEngine
+from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.errors import ErrorInfo
 from kvseal.hooks import NO_FAULTS
@@ -27,7 +27,7 @@ ROUTER = b"router-1"
 def worker() -> DecodeWorker:
     cfg = EngineConfig(model=ModelConfig(max_model_len=64), cache=CacheConfig(page_size=4, pool_tokens=64),
                        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_waiting=3, wait_timeout_s=0.5))
-    w = DecodeWorker(DecodeEngine(cfg, CK), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", NO_FAULTS)
+    w = DecodeWorker(Engine(cfg, CK, role="decode"), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", NO_FAULTS)
     w.sent = []  # type: ignore[attr-defined]
     w.send = lambda ident, msg: w.sent.append((ident, msg))  # type: ignore[method-assign, attr-defined]
     yield w
@@ -81,7 +81,7 @@ def test_a_queue_that_moves_is_never_timed_out_one_that_cannot_is(worker: Decode
     reserve(worker, "b")
     reserve(worker, "c")
     time.sleep(0.6)
-    worker.dengine.scheduler.last_freed = time.monotonic()  # pages were freed just now: progress
+    worker.engine.scheduler.last_freed = time.monotonic()  # pages were freed just now: progress
     worker.pump()
     assert [q.request.request_id for q in worker.queue] == ["c"]
     time.sleep(0.6)  # wait_timeout 0.5 s with no page freed at all: nothing can move
@@ -98,7 +98,7 @@ def test_queued_reservations_go_to_the_tenant_served_least_first(worker: DecodeW
 
     ask("a1", "a")
     ask("a2", "a")  # a holds 12 of the 16 pages
-    worker.dengine.scheduler.fair.books["a"].counter = 500.0  # a has been served a lot here
+    worker.engine.scheduler.fair.books["a"].counter = 500.0  # a has been served a lot here
     ask("a3", "a")  # queued: does not fit
     ask("b1", "b")  # queued behind a3 in arrival order, but b was served least
     worker.handle(ROUTER, P.ReleaseReq(request_id="a1", error=ErrorInfo("X", "x", 500, "x"), rejected=True))

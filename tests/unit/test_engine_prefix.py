@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
-from kvseal.engine.disagg import DecodeEngine, PrefillEngine
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.kv.prefix_cache import namespace_root
 from kvseal.model.checkpoint import Checkpoint
+from tests.helpers.halves import decode_engine, prefill_engine
 
 from .conftest import make_engine
 from .test_engine import GREEDY, drain, prompt, tokens
@@ -150,20 +150,21 @@ def test_prefill_engine_caches_and_ships_the_whole_prompt(tiny: Checkpoint, hit:
 
     cfg = EngineConfig(model=ModelConfig(max_model_len=256), cache=CacheConfig(page_size=PS, pool_tokens=512),
                        scheduler=SchedulerConfig(max_num_batched_tokens=64))
-    p, d = PrefillEngine(cfg, tiny), DecodeEngine(cfg, tiny)
+    p, d = prefill_engine(cfg, tiny), decode_engine(cfg, tiny)
     ids = prompt(41, 13)
     ref = run(make_engine(tiny, prefix_cache=False), "ref", ids)[0]
     rounds = ["warm", "r"] if hit else ["r"]
     for rid in rounds:
-        res = d.reserve(GenerateRequest(rid, ids, GREEDY), 60.0, "tcp://test")
+        res = d.kv.reserve(GenerateRequest(rid, ids, GREEDY), 60.0, "tcp://test")
         p.add_request(GenerateRequest(rid, ids, GREEDY))
-        while not (ready := p.take_ready()):
+        while not (ready := p.kv.take_ready()):
             p.step()
         (h,) = ready
-        assert h.num_pages == 11 and len(h.seq.pages) == 11  # the whole prompt ships, cached pages included
-        manifest, payload = p.package(h, res)
-        d.accept(manifest, payload)
-        p.end_handoff(rid, None)
+        # the whole prompt ships, cached pages included
+        assert h.handoff is not None and h.handoff.num_pages == 11 and len(h.pages) == 11
+        manifest, payload = p.kv.package(h, res)
+        d.kv.accept(manifest, payload)
+        p.kv.end_handoff(rid, None)
         out = drain(d)[rid]
         assert tokens(out) == ref
     assert p.info()["prefix_cache_hit_tokens"] == (40 if hit else 0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvseal.engine.disagg import DecodeEngine, PrefillEngine
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
 from kvseal.errors import ErrorInfo
@@ -19,6 +18,7 @@ from kvseal.lifecycle import State
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.worker import protocol as P
 from kvseal.worker.decode import DecodeWorker
+from tests.helpers.halves import prefill_engine
 
 from .test_engine import assert_one_final_each, prompt, run_alone, tokens
 
@@ -123,11 +123,11 @@ def test_a_reservation_under_its_share_preempts_decoding_requests_over_it(tiny: 
     """On a real DecodeWorker: a's two requests decode and hold the pool (16 pages); b's reservation does not fit.
     vtc: a's newest is preempted (its pages scrubbed, recomputed on decode later) and b is granted at once; off: b
     waits. Outputs equal greedy alone, one final each, both pools back to baseline."""
-    w = DecodeWorker(DecodeEngine(_cfg(fairness), tiny), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", NO_FAULTS)
-    p = PrefillEngine(_cfg(fairness), tiny)
+    w = DecodeWorker(Engine(_cfg(fairness), tiny, role="decode"), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", NO_FAULTS)
+    p = prefill_engine(_cfg(fairness), tiny)
     sent: list[P.Message] = []
     w.send = lambda ident, msg: sent.append(msg)  # type: ignore[method-assign]
-    d = w.dengine
+    d = w.engine
     out: dict[str, list[GenerateDelta]] = {}
     ids = {"a1": prompt(24, 71), "a2": prompt(24, 72), "b": prompt(12, 73)}
     params = {"a1": LONG, "a2": LONG, "b": SHORT}
@@ -141,11 +141,11 @@ def test_a_reservation_under_its_share_preempts_decoding_requests_over_it(tiny: 
             (res,) = [m.reservation for m in sent if isinstance(m, P.ReserveResp) and m.reservation is not None
                       and m.reservation.request_id == rid]
             p.add_request(GenerateRequest(rid, ids[rid], params[rid], tenant=rid[0]))
-            while not (ready := p.take_ready()):
+            while not (ready := p.kv.take_ready()):
                 p.step()
-            manifest, payload = p.package(ready[0], res)
-            d.accept(manifest, payload)
-            p.end_handoff(rid, None)
+            manifest, payload = p.kv.package(ready[0], res)
+            d.kv.accept(manifest, payload)
+            p.kv.end_handoff(rid, None)
 
         def step() -> None:
             for x in d.step():
@@ -189,7 +189,7 @@ def test_while_tenants_compete_a_tenant_reserves_up_to_its_fair_share(tiny: Chec
     (reserved ahead of their prefill they do no work); alone, or once b is gone, a reserves what fits."""
     cfg = EngineConfig(model=ModelConfig(max_model_len=64), cache=CacheConfig(page_size=4, pool_tokens=256),
                        scheduler=SchedulerConfig(max_num_batched_tokens=32))  # 64 pages: a's fair share 32
-    w = DecodeWorker(DecodeEngine(cfg, tiny), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", NO_FAULTS)
+    w = DecodeWorker(Engine(cfg, tiny, role="decode"), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", NO_FAULTS)
     sent: list[P.Message] = []
     w.send = lambda ident, msg: sent.append(msg)  # type: ignore[method-assign]
     try:
@@ -210,9 +210,9 @@ def test_while_tenants_compete_a_tenant_reserves_up_to_its_fair_share(tiny: Chec
             assert granted() == ["a1", "a2", "a3", "a4"]  # alone: everything that fits
             return
         assert granted() == ["b1", "a1", "a2", "a3"] and [q.request.request_id for q in w.queue] == ["a4"]
-        assert w.dengine.allocator.num_free >= 30  # a4 waits for its share, not for room
+        assert w.engine.allocator.num_free >= 30  # a4 waits for its share, not for room
         w.handle(b"r", P.ReleaseReq(request_id="b1", error=ErrorInfo("X", "x", 500, "x"), rejected=True))
-        w.dengine.scheduler.fair.last_arrival["b"] -= 60  # b sent nothing for a minute: a is alone
+        w.engine.scheduler.fair.last_arrival["b"] -= 60  # b sent nothing for a minute: a is alone
         w.pump()
         assert granted()[-1] == "a4" and not w.queue
     finally:

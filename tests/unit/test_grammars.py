@@ -143,7 +143,7 @@ def test_the_batch_steps_while_a_request_waits_for_its_grammar(tiny: Checkpoint)
         e.add_request(GenerateRequest("int", [3, 4, 5], SamplingParams(max_tokens=8, temperature=0.0, logprobs=2,
                                                                        response_format=SMALL), tenant="alice"))
         e.add_request(GenerateRequest("free", [6, 7, 8], free, tenant="alice"))
-        assert set(e.compiling) == {"slow", "int"}  # admitted, holding no pages, outside the batch
+        assert {s.request_id for s in e.compiling()} == {"slow", "int"}  # admitted, holding no pages, outside the batch
         order: list[str] = []
         out = _drain(e, order)
         for rid, ds in out.items():  # seal 1: one outcome each, last
@@ -166,7 +166,7 @@ def test_the_batch_steps_while_a_request_waits_for_its_grammar(tiny: Checkpoint)
         assert any(t not in allowed and v > LOGPROB_FLOOR for lp in lps for t, v in lp.top)
         assert e.grammars.pool is not None and e.grammars.pool.killed == 1
         assert e.info()["grammar_compiles_killed"] == 1 and e.info()["waiting_for_grammar"] == 0
-        assert e.allocator.num_free == e.pool.num_pages and not e.compiling  # seal 8
+        assert e.allocator.num_free == e.pool.num_pages and not e.compiling()  # seal 8
     finally:
         e.grammars.close()
 
@@ -179,7 +179,7 @@ def test_a_request_aborted_while_compiling_ends_once(tiny: Checkpoint) -> None:
         e.step()
         e.abort("slow")
         out = _drain(e, [])
-        assert [d.final for d in out["slow"]] == ["aborted"] and not e.compiling and not e.seqs
+        assert [d.final for d in out["slow"]] == ["aborted"] and not e.compiling() and not e.seqs
         assert e.allocator.num_free == e.pool.num_pages
     finally:
         e.grammars.close()
@@ -199,26 +199,26 @@ def test_logprobs_are_floored_never_minus_infinity() -> None:
 
 def test_decode_holds_verified_kv_until_its_grammar_arrives_then_decodes(tiny: Checkpoint) -> None:
     from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from kvseal.engine.disagg import DecodeEngine, PrefillEngine
     from kvseal.lifecycle import State
+    from tests.helpers.halves import decode_engine, prefill_engine
 
     cfg = EngineConfig(model=ModelConfig(max_model_len=128), cache=CacheConfig(page_size=4, pool_tokens=256),
                        scheduler=SchedulerConfig(max_num_batched_tokens=32))
-    p, d = PrefillEngine(cfg, tiny), DecodeEngine(cfg, tiny)
+    p, d = prefill_engine(cfg, tiny), decode_engine(cfg, tiny)
     p.grammars = TinyGrammars(p.tokenizer, 64, GrammarConfig(grammar_compilers=1))
     d.grammars = TinyGrammars(d.tokenizer, 64, GrammarConfig(grammar_compilers=1))
     try:
         req = GenerateRequest("r", [3, 4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, logprobs=2,
                                                                    response_format=SMALL), tenant="alice")
-        res = d.reserve(req, timeout_s=60.0, kv_endpoint="tcp://test")  # decode's compile starts here
+        res = d.kv.reserve(req, timeout_s=60.0, kv_endpoint="tcp://test")  # decode's compile starts here
         p.add_request(req)
-        while not (ready := p.take_ready()):
+        while not (ready := p.kv.take_ready()):
             p.step()
-        manifest, payload = p.package(ready[0], res)
+        manifest, payload = p.kv.package(ready[0], res)
         assert manifest.first_logprob is not None and all(math.isfinite(v) for _, v in manifest.first_top)
-        d.accept(manifest, payload)  # verified (finite unmasked logprobs pass seal 4); decode's grammar not yet in
-        p.end_handoff("r", None)
-        seq = d.compiling["r"][0]
+        d.kv.accept(manifest, payload)  # verified (finite unmasked logprobs pass seal 4); decode's grammar not yet in
+        p.kv.end_handoff("r", None)
+        (seq,) = d.compiling()
         assert seq.life.state is State.VERIFIED and d.allocator.num_owned > 0 and seq not in d.scheduler.waiting
         out = _drain(d, [])["r"]
         ints = [t for x in out for t in x.token_ids]

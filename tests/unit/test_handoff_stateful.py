@@ -17,8 +17,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvseal.engine.disagg import DecodeEngine, Handoff, PrefillEngine
+from kvseal.engine.engine import Engine
+from kvseal.engine.kv_decode import DecodeConnector
+from kvseal.engine.kv_prefill import PrefillConnector
 from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
+from kvseal.engine.sequence import Sequence
 from kvseal.errors import InvalidRequest, KvsealError, RequestAborted, TransferVerificationFailed
 from kvseal.transfer.manifest import PagePayload, Reservation
 
@@ -35,12 +38,13 @@ def _cfg(pool: int) -> EngineConfig:
 class Handoffs(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.p = PrefillEngine(_cfg(256), CK)
-        self.d = DecodeEngine(_cfg(256), CK)
+        self.p = Engine(_cfg(256), CK, role="prefill")
+        self.d = Engine(_cfg(256), CK, role="decode")
+        self.pk, self.dk = PrefillConnector(self.p), DecodeConnector(self.d)
         self.n = 0
         self.reservations: dict[str, Reservation] = {}  # reserved on decode, not yet sent to prefill
         self.prefilling: dict[str, Reservation] = {}  # sent to prefill
-        self.ready: dict[str, Handoff] = {}  # prefilled, KV not yet delivered
+        self.ready: dict[str, Sequence] = {}  # prefilled, KV not yet delivered
         self.accepted: set[str] = set()  # decode accepted (verified) KV for these
         self.finals: dict[tuple[str, str], GenerateDelta | None] = {}  # (engine, request) -> its one final
         self.after_final: list[tuple[str, str]] = []
@@ -56,8 +60,8 @@ class Handoffs(RuleBasedStateMachine):
 
     def _pump_prefill(self) -> None:
         self._collect("prefill", self.p.step())
-        for h in self.p.take_ready():
-            self.ready[h.seq.request_id] = h
+        for seq in self.pk.take_ready():
+            self.ready[seq.request_id] = seq
 
     # -- rules ---------------------------------------------------------------------------------------
     @rule(prompt_len=st.integers(1, 140), max_tokens=st.integers(1, 12))
@@ -67,7 +71,7 @@ class Handoffs(RuleBasedStateMachine):
         ids = torch.randint(2, 64, (prompt_len,), generator=torch.Generator().manual_seed(self.n)).tolist()
         req = GenerateRequest(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         try:
-            self.reservations[rid] = self.d.reserve(req, timeout_s=60.0, kv_endpoint="tcp://test")
+            self.reservations[rid] = self.dk.reserve(req, timeout_s=60.0, kv_endpoint="tcp://test")
         except KvsealError:
             self.finals[("decode", rid)] = None  # refused at reservation: nothing held (see the invariants)
 
@@ -76,7 +80,7 @@ class Handoffs(RuleBasedStateMachine):
     def prefill(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.reservations)))
         res = self.reservations.pop(rid)
-        seq = self.d.reserved[rid][0]
+        seq = self.dk.reserved[rid]
         self.p.add_request(GenerateRequest(rid, seq.prompt_ids, seq.params))
         self.prefilling[rid] = res
 
@@ -85,7 +89,7 @@ class Handoffs(RuleBasedStateMachine):
     def prefill_refuses(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.reservations)))
         self.reservations.pop(rid)
-        self.d.release(rid, InvalidRequest("refused by prefill"), rejected=True)
+        self.dk.release(rid, InvalidRequest("refused by prefill"), rejected=True)
 
     @rule()
     def prefill_step(self) -> None:
@@ -97,8 +101,8 @@ class Handoffs(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.ready)))
         h = self.ready.pop(rid)
         res = self.prefilling.pop(rid)
-        manifest, payload = self.p.package(h, res)
-        still_reserved = rid in self.d.reserved
+        manifest, payload = self.pk.package(h, res)
+        still_reserved = rid in self.dk.reserved
         if fault == "flip":
             k = payload.k.clone()
             k[0] ^= 1
@@ -108,14 +112,14 @@ class Handoffs(RuleBasedStateMachine):
         elif fault == "short_tokens":
             manifest = msgspec.structs.replace(manifest, num_tokens=manifest.num_tokens - 1)
         try:
-            self.d.accept(manifest, payload)
+            self.dk.accept(manifest, payload)
         except TransferVerificationFailed as err:
             assert fault is not None or not still_reserved, err  # refused: corrupted, or expired/aborted
-            self.p.end_handoff(rid, err)
+            self.pk.end_handoff(rid, err)
             return
         assert fault is None and still_reserved, "a corrupted or unreserved handoff was accepted"
         self.accepted.add(rid)
-        self.p.end_handoff(rid, None)
+        self.pk.end_handoff(rid, None)
 
     @rule()
     def decode_step(self) -> None:
@@ -133,7 +137,7 @@ class Handoffs(RuleBasedStateMachine):
 
     @rule()
     def reservations_time_out(self) -> None:
-        self.d.expire_reservations(time.monotonic() + 3600)
+        self.dk.expire_reservations(time.monotonic() + 3600)
         for rid in list(self.reservations):
             self.reservations.pop(rid)
 
@@ -146,7 +150,7 @@ class Handoffs(RuleBasedStateMachine):
 
     @invariant()
     def seal3_nothing_used_before_verification(self) -> None:
-        for rid, (seq, _) in self.d.reserved.items():
+        for rid, seq in self.dk.reserved.items():
             assert rid not in self.accepted and seq.num_computed == 0
         for (side, rid), d in self.finals.items():
             if side == "decode" and (d is None or d.final == "rejected"):

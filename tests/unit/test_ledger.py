@@ -12,12 +12,12 @@ import torch
 
 from kvseal.cli import main
 from kvseal.config import CacheConfig, EngineConfig, LedgerConfig, ModelConfig, SchedulerConfig
-from kvseal.engine.disagg import DecodeEngine, PrefillEngine
 from kvseal.engine.engine import Engine
 from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.kv.provenance import PageProvenance, Segment, Writer
 from kvseal.ledger.incidents import find
 from kvseal.model.checkpoint import Checkpoint
+from tests.helpers.halves import DecodeHalf, PrefillHalf, decode_engine, prefill_engine
 
 A = Writer("a", "acme", 1, "prompt")
 B = Writer("b", "globex", 2, "generated")
@@ -89,29 +89,30 @@ def test_unified_rows_record_pages_and_cache_reads_never_text(tiny: Checkpoint, 
     assert find(str(tmp_path / "u.sqlite")) == (2, [])
 
 
-def _handoff(p: PrefillEngine, d: DecodeEngine, rid: str, ids: list[int], tenant: str, max_tokens: int,
+def _handoff(p: PrefillHalf, d: DecodeHalf, rid: str, ids: list[int], tenant: str, max_tokens: int,
              placeholder: bool = False) -> None:
     """rid through reserve -> prefill -> accept -> decode; `placeholder`: the 2026 bug (prefill computes one token,
     decode takes it unverified)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    res = d.reserve(GenerateRequest(rid, ids, params, tenant=tenant), 60.0, "tcp://test")
+    res = d.kv.reserve(GenerateRequest(rid, ids, params, tenant=tenant), 60.0, "tcp://test")
     sent = GenerateRequest(rid, ids[:1], SamplingParams(max_tokens=1, temperature=0.0), tenant=tenant) \
         if placeholder else GenerateRequest(rid, ids, params, tenant=tenant)
     p.add_request(sent)
-    while not (ready := p.take_ready()):
+    while not (ready := p.kv.take_ready()):
         p.step()
     (h,) = ready
-    manifest, payload = p.package(h, res)
-    d.accept(manifest, payload, check=not placeholder)
-    p.end_handoff(rid, None)
+    manifest, payload = p.kv.package(h, res)
+    d.kv.verify_kv = lambda: not placeholder
+    d.kv.accept(manifest, payload)
+    p.kv.end_handoff(rid, None)
     _drain(d)
 
 
 @pytest.mark.parametrize("scrub", [False, True])
 def test_a_placeholder_reads_foreign_kv_and_incidents_names_it(tiny: Checkpoint, tmp_path: Path,
                                                                scrub: bool) -> None:
-    p = PrefillEngine(_cfg(tmp_path, "l.sqlite", cache=False), tiny)
-    d = DecodeEngine(_cfg(tmp_path, "l.sqlite", scrub=scrub), tiny)
+    p = prefill_engine(_cfg(tmp_path, "l.sqlite", cache=False), tiny)
+    d = decode_engine(_cfg(tmp_path, "l.sqlite", scrub=scrub), tiny)
     _handoff(p, d, "A", _ids(36, 2), "acme", 6)  # decode pages 0-10: prompt 0-35, generated 36-41
     _handoff(p, d, "B", _ids(44, 3), "globex", 4, placeholder=True)  # reserved: page 11, then pages 0-9
     for e in (p, d):
