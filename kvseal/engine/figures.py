@@ -21,7 +21,7 @@ from kvseal.ledger.store import Ledger
 from kvseal.model.arch import ModelArch
 
 
-class EngineView(Protocol):  # what is read here of engine/engine.py's Engine (imported from there, it would be a circle)
+class EngineView(Protocol):  # what is read here of engine/engine.py's Engine (importing it: a circle)
     cfg: EngineConfig
     role: str
     ckpt_name: str

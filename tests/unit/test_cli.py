@@ -8,7 +8,9 @@ import sys
 import msgspec
 import pytest
 
-from kvseal.cli import build_parser, engine_config, worker_specs, worker_threads
+from kvseal.cli import build_parser
+from kvseal.commands import worker_specs, worker_threads
+from kvseal.config_args import engine_config
 from kvseal.worker.run import WorkerSpec
 
 
