@@ -56,10 +56,8 @@ from kvseal.transfer.manifest import (
     new_reservation_id,
     page_nbytes,
     unpack_into,
-    verify,
-    verify_identity,
-    verify_landed,
 )
+from kvseal.transfer.verify import verify, verify_identity, verify_landed
 
 FP = "bench-fingerprint"
 MODES = ("raw", "zmq", "nixl", "nixl-tcp", "zmq-move", "nixl-move", "nixl-tcp-move", "zmq-mac", "zmq-curve",

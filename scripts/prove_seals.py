@@ -168,7 +168,7 @@ MUTATIONS = [
      ["tests/unit/test_registry.py"], False),
     # issue 22: the KV spec (kv/spec.py) is compared as one struct, field by field; every field still counts
     ("4 the manifest's KV spec must equal the reservation's (fingerprint, page size, dtype, layout)",
-     "kvseal/transfer/manifest.py",
+     "kvseal/transfer/verify.py",
      "    differ = r.kv.differences(m.kv)\n",
      "    differ: list[tuple[str, object, object]] = []\n",
      ["tests/unit/test_manifest.py::test_verify_refuses_each_mismatch"], False),
@@ -177,7 +177,7 @@ MUTATIONS = [
      "    differ = ref.differences(agreement)\n",
      "    differ: list[tuple[str, object, object]] = []\n",
      ["tests/unit/test_registry.py::test_a_worker_that_differs_in_any_field_is_refused"], False),
-    ("4 the first token is range-checked", "kvseal/transfer/manifest.py",
+    ("4 the first token is range-checked", "kvseal/transfer/verify.py",
      "        _check_first_token(m, vocab_size, logprobs)",
      "        pass",
      ["tests/unit/test_peer_frames.py"], False),

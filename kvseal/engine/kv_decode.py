@@ -32,11 +32,8 @@ from kvseal.transfer.manifest import (
     page_checksums,
     page_nbytes,
     unpack_into,
-    verify,
-    verify_identity,
-    verify_landed,
-    verify_names,
 )
+from kvseal.transfer.verify import verify, verify_identity, verify_landed, verify_names
 
 
 class DecodeConnector(KVConnector):

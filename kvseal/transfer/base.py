@@ -1,7 +1,7 @@
 """The transport interface: how KV pages + manifest get from a prefill worker to a decode worker.
 
 Small on purpose (after SGLang's `send / poll / abort` and its status enum). A transport moves bytes and
-carries back an ack or a nack; it never judges what it moves: verification is `manifest.verify`, run by the
+carries back an ack or a nack; it never judges what it moves: verification is `transfer/verify.py`, run by the
 receiver before it calls `Arrival.reply`.
 
 Sender side:   register(pool_k, pool_v); h = send(endpoint, manifest, pages); poll(h) until done; abort(h)

@@ -42,10 +42,8 @@ from kvseal.transfer.manifest import (
     new_reservation_id,
     page_nbytes,
     unpack_into,
-    verify,
-    verify_identity,
-    verify_landed,
 )
+from kvseal.transfer.verify import verify, verify_identity, verify_landed
 from tests.helpers.transports import KV_TRANSPORTS
 
 pytestmark = pytest.mark.integration

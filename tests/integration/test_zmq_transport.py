@@ -28,8 +28,8 @@ from kvseal.transfer.manifest import (
     pack_pages,
     page_nbytes,
     unpack_into,
-    verify,
 )
+from kvseal.transfer.verify import verify
 from kvseal.transfer.zmq import TransferReply, ZmqTransport
 
 pytestmark = pytest.mark.integration

@@ -25,8 +25,8 @@ from kvseal.transfer.manifest import (
     page_checksums,
     page_nbytes,
     unpack_into,
-    verify,
 )
+from kvseal.transfer.verify import verify
 
 L, P, S, KVH, D = 3, 12, 4, 2, 8
 FP = "fp-tiny-1"

@@ -1,0 +1,130 @@
+"""The check of an arrived handoff before use (seal 4): the manifest against the reservation that set its pages aside,
+field by field, then every page's checksum (transfer/manifest.py has what moves and how it is laid out)."""
+
+from __future__ import annotations
+
+import hmac
+import math
+
+from kvseal.errors import TransferVerificationFailed
+from kvseal.kv.allocator import pages_for
+from kvseal.transfer.manifest import (
+    CHECKSUM_ALGO,
+    SCHEMA_VERSION,
+    KVManifest,
+    PagePayload,
+    PoolPages,
+    Reservation,
+    first_token_checksum,
+    page_checksums,
+)
+
+
+def _fail(manifest: KVManifest, field: str, expected: object, received: object) -> TransferVerificationFailed:
+    err = TransferVerificationFailed(
+        f"KV transfer for request {manifest.request_id!r} failed verification: {field}: "
+        f"expected {expected!r}, received {received!r}; the request produces no output")
+    err.field = field.split(" ")[0].split("[")[0]  # "page_checksums[3] (...)" -> "page_checksums"
+    return err
+
+
+def verify(manifest: KVManifest, reservation: Reservation, payload: PagePayload, *,
+           expected_fingerprint: str, page_bytes: int, vocab_size: int | None = None,
+           logprobs: int | None = None) -> None:
+    """Raise TransferVerificationFailed unless the arrival is exactly what `reservation` set aside (seal 4).
+
+    `expected_fingerprint` and `page_bytes` (see page_nbytes) describe the receiving worker's own model
+    and pool. The first token and its logprobs must match their checksum; with `vocab_size` (the receiving
+    model's) they are also range-checked against the request's `logprobs` (None: it asked for none), since
+    decode emits that token and feeds it to the next step. Cheap checks first; the page checksums, which read
+    every byte, last.
+    """
+    m = manifest
+    verify_identity(m, reservation, expected_fingerprint=expected_fingerprint, vocab_size=vocab_size,
+                    logprobs=logprobs)
+    _same(m, "payload pages", m.num_pages, payload.num_pages)
+    _same(m, "payload K bytes", m.num_pages * page_bytes, payload.k.numel())
+    _same(m, "payload V bytes", m.num_pages * page_bytes, payload.v.numel())
+    _check_sums(m, reservation, page_checksums(payload))
+
+
+def verify_identity(manifest: KVManifest, reservation: Reservation, *, expected_fingerprint: str,
+                    vocab_size: int | None = None, logprobs: int | None = None) -> None:
+    """Every check of verify() that reads no KV byte: run it before a single byte may land in a reserved page
+    (a transport that writes into the pages directly), so a manifest that does not name this reservation
+    moves nothing."""
+    m, r = manifest, reservation
+    _same(m, "manifest schema version", SCHEMA_VERSION, m.v)
+    verify_names(m, r)
+    _same(m, "model_fingerprint (reservation vs this worker)", expected_fingerprint, r.kv.model_fingerprint)
+    # every KVSpec field, in order (model_fingerprint, page_size, kv_dtype, kv_layout): the reservation's
+    # fingerprint is this worker's (above), so the manifest's is compared with this worker's too
+    differ = r.kv.differences(m.kv)
+    if differ:
+        raise _fail(m, *differ[0])
+    _same(m, "checksum algorithm", CHECKSUM_ALGO, m.checksum)
+    _same(m, "num_tokens", r.num_tokens, m.num_tokens)
+    if m.num_tokens < 1:
+        raise _fail(m, "num_tokens", "at least 1", m.num_tokens)
+    _same(m, "num_pages (reserved pages)", len(r.page_ids), m.num_pages)
+    _same(m, "num_pages (ceil(num_tokens / page_size))", pages_for(m.num_tokens, r.kv.page_size), m.num_pages)
+    _same(m, "number of page_checksums", m.num_pages, len(m.page_checksums))
+    _same(m, "first_checksum", first_token_checksum(m.first_token, m.first_logprob, m.first_top), m.first_checksum)
+    if vocab_size is not None:
+        _check_first_token(m, vocab_size, logprobs)
+
+
+def verify_names(manifest: KVManifest, reservation: Reservation) -> None:
+    """The arrival names this reservation: request id, reservation id and nonce. Whoever sends one that does not
+    may not be the prefill worker the router chose, so the error says which field differs but never the
+    reservation's value (a nack carries it back to the sender: it must not teach a forger the nonce)."""
+    m, r = manifest, reservation
+    _same(m, "request_id", r.request_id, m.request_id)
+    for field, want, got in (("reservation_id", r.reservation_id, m.reservation_id), ("nonce", r.nonce, m.nonce)):
+        if not hmac.compare_digest(want.encode(), got.encode()):
+            err = TransferVerificationFailed(f"KV transfer for request {m.request_id!r} failed verification: "
+                                             f"{field}: the arrival does not name this request's reservation")
+            err.field = field
+            raise err
+
+
+def verify_landed(manifest: KVManifest, reservation: Reservation, landed: PoolPages) -> None:
+    """The rest of verify() for bytes that landed in the reserved pages themselves: the page checksums, over
+    the pages in place. Call after verify_identity() and once nothing can land in those pages any more."""
+    _same(manifest, "landed pages", list(reservation.page_ids[: manifest.num_pages]), list(landed.page_ids))
+    _check_sums(manifest, reservation, landed.checksums())
+
+
+def _same(m: KVManifest, field: str, expected: object, received: object) -> None:
+    if expected != received:
+        raise _fail(m, field, expected, received)
+
+
+def _check_sums(m: KVManifest, r: Reservation, got: list[int]) -> None:
+    bad = [j for j, (a, b) in enumerate(zip(m.page_checksums, got, strict=True)) if a != b]
+    if bad:
+        j = bad[0]
+        raise _fail(m, f"page_checksums[{j}] (reserved page {r.page_ids[j]}; {len(bad)} of {m.num_pages} "
+                    f"pages differ)", f"{m.page_checksums[j]:#018x}", f"{got[j]:#018x}")
+
+
+def _check_first_token(m: KVManifest, vocab_size: int, logprobs: int | None) -> None:
+    def logprob_ok(x: float) -> bool:
+        return math.isfinite(x) and x <= 1e-4  # a log-probability; a hair above 0 is float rounding
+
+    if not 0 <= m.first_token < vocab_size:
+        raise _fail(m, "first_token", f"a token id in [0, {vocab_size})", m.first_token)
+    if logprobs is None:
+        if m.first_logprob is not None or m.first_top:
+            raise _fail(m, "first_logprob/first_top", "none (the request asked for no logprobs)",
+                        (m.first_logprob, len(m.first_top)))
+        return
+    if m.first_logprob is None or not logprob_ok(m.first_logprob):
+        raise _fail(m, "first_logprob", "a finite log-probability <= 0", m.first_logprob)
+    want = min(logprobs, vocab_size)
+    if len(m.first_top) != want:
+        raise _fail(m, "len(first_top)", want, len(m.first_top))
+    for tid, lp in m.first_top:
+        if not 0 <= tid < vocab_size or not logprob_ok(lp):
+            raise _fail(m, "first_top", f"token ids in [0, {vocab_size}) with finite log-probabilities <= 0",
+                        (tid, lp))
