@@ -133,7 +133,7 @@ MUTATIONS = [
      "        if not 0 < addr <= ADDRESS_SPACE - span:",
      "        if False:",
      ["tests/unit/test_nixl_offer.py"], False),
-    ("4+6+8 quarantine until the NIXL read is over (never freed on a timer)", "kvseal/transfer/nixl.py",
+    ("4+6+8 quarantine until the NIXL read is over (never freed on a timer)", "kvseal/transfer/nixl_reads.py",
      "            if state in (\"DONE\", \"ERR\"):\n                return self._ended(tid, state)",
      "            if state in (\"DONE\", \"ERR\") or now >= r.deadline:\n                return self._ended(tid, state)",
      ["tests/integration/test_nixl_late_reads.py::test_a_read_past_its_deadline_keeps_its_pages_until_nixl_says_it_is_over"],
