@@ -318,6 +318,7 @@ def run_one(mutation: Mutation, root: Path = ROOT) -> Result:
         path.write_text(src.replace(old, new))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), *filter(None, [os.environ.get("PYTHONPATH")])]))
         env["KVSEAL_TEST_READY_TIMEOUT"] = "60"  # a mutation that keeps the fleet from forming fails in 60 s, not 180
+        env["KVSEAL_PROVE_SEALS"] = "1"  # tests/conftest.py: hypothesis reports the first failing example unshrunk
         env.pop("PYTEST_ADDOPTS", None)
         env.pop("PYTEST_CURRENT_TEST", None)
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
