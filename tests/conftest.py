@@ -44,6 +44,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         image_build.start()
 
 
+# The longest files (minutes each on 2 cores). On parallel workers (scripts/test.sh: pytest-xdist, whole files to a
+# worker, handed out in collection order) they start first, so that no worker is left with one of them at the end.
+LONG_FIRST = ("tests/integration/test_seal_proofs.py", "tests/e2e/test_audit_incident.py",
+              "tests/e2e/test_correctness.py", "tests/e2e/test_real_qwen.py", "tests/integration/test_soak.py",
+              "tests/integration/test_faults.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("numprocesses", None) or os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {path: i for i, path in enumerate(LONG_FIRST)}
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONG_FIRST)))  # stable: else as is
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for folder in _OWN:
         shutil.rmtree(folder, ignore_errors=True)

@@ -128,11 +128,13 @@ def probe(url: str, tmp_path: Path) -> tuple[int, str]:
     return r.returncode, out
 
 
+@pytest.mark.serial  # a timing probe: it measures time to first token (scripts/test.sh)
 def test_cross_tenant_probe_finds_nothing_shared(server: Server, tmp_path: Path) -> None:
     code, out = probe(server.url, tmp_path)
     assert code == 0 and "ISOLATED" in out, out
 
 
+@pytest.mark.serial  # a timing probe: it measures time to first token (scripts/test.sh)
 def test_cross_tenant_probe_sees_one_shared_cache_without_keys(tmp_path: Path) -> None:
     s = Server(["--unified", *ARGS])  # no --api-keys: every key is the one tenant, so one cache for all
     try:

@@ -22,7 +22,7 @@ import pytest
 
 from tests.helpers.procs import Server
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]  # serial: measures time (scripts/test.sh)
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"alice": "sk-alice-structured-0001", "bob": "sk-bob-structured-0002"}
 SLOW = {"type": "json_schema", "json_schema": {"name": "digits",

@@ -23,7 +23,7 @@ import pytest
 
 from tests.helpers.procs import Server, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.e2e]
+pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.serial]  # serial: measures time (scripts/test.sh)
 MODEL = "SmolLM2-135M-Instruct"
 WINDOW = 1024
 WORDS = ["river", "mill", "bridge", "stone", "water", "light", "field", "house", "garden", "road"]

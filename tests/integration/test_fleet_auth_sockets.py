@@ -34,7 +34,7 @@ from kvseal.transfer.manifest import (
 from kvseal.transfer.zmq import TransferHeader, TransferReply, ZmqTransport
 from kvseal.worker.join import Registration
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # serial: 1.5 s transfer timeouts (scripts/test.sh)
 L, P, S, KVH, D = 2, 8, 4, 2, 8
 
 

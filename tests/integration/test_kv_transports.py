@@ -46,7 +46,7 @@ from kvseal.transfer.manifest import (
 from kvseal.transfer.verify import verify, verify_identity, verify_landed
 from tests.helpers.transports import KV_TRANSPORTS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # serial: measures time (scripts/test.sh)
 
 L, P, S, KVH, D = 3, 16, 4, 2, 8
 FP = "fp-test"

@@ -27,7 +27,7 @@ from tests.helpers.fleet import LoopbackFleet, module_fleet
 from tests.helpers.lossy_link import LossyLink
 from tests.helpers.procs import wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.e2e]
+pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.serial]  # serial: measures time (scripts/test.sh)
 MODEL = "SmolLM2-135M-Instruct"
 ARGS = ["--max-model-len", "1024", "--kv-pool-tokens", "2048"]
 

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.helpers.fleet import LoopbackFleet, running
 from tests.helpers.procs import Server, Worker, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # serial: measures time (scripts/test.sh)
 MODEL = "SmolLM2-135M-Instruct"
 ADMIN = "sk-ops-fair-0003"
 KEYS = {"a": "sk-a-fair-0001", "b": "sk-b-fair-0002"}

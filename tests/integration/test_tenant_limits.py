@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers.procs import Server
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # serial: measures time (scripts/test.sh)
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"alice": "sk-alice-limits-0001", "bob": "sk-bob-limits-0002", "carol": "sk-carol-limits-0003",
         "dave": "sk-dave-limits-0005"}

@@ -25,7 +25,7 @@ import pytest
 from tests.helpers.fleet import LoopbackFleet, running
 from tests.helpers.procs import Worker, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # serial: measures time (scripts/test.sh)
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"bob": "sk-bob-fleetlim-0001", "eve": "sk-eve-fleetlim-0002", "frank": "sk-frank-fleetlim-0003"}
 ARGS = ["--max-model-len", "512", "--kv-pool-tokens", "2048"]
