@@ -48,6 +48,12 @@ class _Queued:
     since: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class _Route:
+    ident: bytes  # the router that streams the request
+    sent: int = 0  # deltas sent: the number the next one carries
+
+
 class DecodeWorker(WorkerServer):
     role = "decode"
 
@@ -67,8 +73,9 @@ class DecodeWorker(WorkerServer):
         if kv_advertise_host:  # bound on a wildcard (0.0.0.0 in a pod): prefill reaches it by this name, same port
             self.kv_endpoint = f"tcp://{kv_advertise_host}:{self.kv_endpoint.rsplit(':', 1)[1]}"
         self.reservation_timeout_s = reservation_timeout_s
-        self.owners: dict[str, bytes] = {}  # request id -> the router that streams it
-        self.next_seq: dict[str, int] = {}  # request id -> the number of its next delta
+        # request id -> the router that streams it and the number of its next delta; it outlives the request's
+        # Sequence by one message (its final delta is routed after the engine let go of it)
+        self.routes: dict[str, _Route] = {}
         self.queue: deque[_Queued] = deque()  # reservations waiting for pages, in arrival order (oldest first)
         self._next_expiry = 0.0
 
@@ -141,7 +148,7 @@ class DecodeWorker(WorkerServer):
         res = self.kv.reserve(q.request, self.reservation_timeout_s, self.kv_endpoint,
                                    self.keys.public if self.keys is not None else "",
                                    getattr(self.transport, "kv_session", ""))
-        self.owners[q.request.request_id] = q.ident
+        self.routes[q.request.request_id] = _Route(q.ident)
         self.send(q.ident, P.ReserveResp(call_id=q.call_id, reservation=res))
 
     def _next_queued(self) -> _Queued | None:
@@ -238,25 +245,20 @@ class DecodeWorker(WorkerServer):
 
     def route(self, out: list[GenerateDelta]) -> None:
         for d in out:
-            rid = d.request_id
-            ident = self.owners.get(rid)
-            if ident is None:
+            route = self.routes.get(d.request_id)
+            if route is None:
                 continue
-            n = self.next_seq.get(rid, 0)
             if d.final is not None:
-                self.owners.pop(rid, None)
-                self.next_seq.pop(rid, None)
-            else:
-                self.next_seq[rid] = n + 1
-            self.send(ident, P.DeltaMsg(delta=d, seq=n))
+                del self.routes[d.request_id]
+            self.send(route.ident, P.DeltaMsg(delta=d, seq=route.sent))
+            route.sent += 1
 
     def peer_lost(self, ident: bytes) -> None:
         err = WorkerFailed("the router stopped reading this request's output; it ended on the decode worker")
         for q in [q for q in self.queue if q.ident == ident]:
             self.queue.remove(q)
-        for rid in [rid for rid, who in self.owners.items() if who == ident]:
-            del self.owners[rid]  # its final delta has nowhere to go
-            self.next_seq.pop(rid, None)
+        for rid in [rid for rid, r in self.routes.items() if r.ident == ident]:
+            del self.routes[rid]  # its final delta has nowhere to go
             self.engine.fail(rid, err)
 
     def inflight(self) -> int:
@@ -269,7 +271,8 @@ class DecodeWorker(WorkerServer):
         return request_id in self.engine.seqs or any(q.request.request_id == request_id for q in self.queue)
 
     def sent_deltas(self, request_id: str) -> int:
-        return self.next_seq.get(request_id, 0)
+        route = self.routes.get(request_id)
+        return 0 if route is None else route.sent
 
     def close(self) -> None:
         self.transport.close()
