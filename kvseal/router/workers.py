@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -38,6 +39,16 @@ log = logging.getLogger("kvseal.router")
 Check = Callable[["WorkerClient", WorkerCard], None]
 
 
+@dataclass
+class _Subscription:
+    """One request on one worker connection: a decode worker's deltas (numbered from 0), or a prefill worker's
+    notice that the handoff started."""
+
+    queue: asyncio.Queue[GenerateDelta | ErrorInfo] | None = None
+    next_seq: int = 0  # the number the next delta must carry
+    started: asyncio.Event | None = None
+
+
 class WorkerClient:
     def __init__(self, role: str, endpoint: str, ctx: zmq.asyncio.Context, check: Check,
                  heartbeat_s: float = 1.0, dead_after_s: float = 60.0, registered: bool = False,
@@ -55,9 +66,8 @@ class WorkerClient:
         self.instance: str | None = None  # the worker process that last passed (or failed) the check
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future[P.Message]] = {}
-        self._streams: dict[str, asyncio.Queue[GenerateDelta | ErrorInfo]] = {}
-        self._next_seq: dict[str, int] = {}  # request id -> the number its next delta must carry
-        self._handoffs: dict[str, asyncio.Event] = {}  # request id -> set when prefill starts its handoff
+        # request id -> what this connection's reader routes to the request (its deltas, its handoff notice)
+        self._subs: dict[str, _Subscription] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()  # a (re)connect: run the heartbeat (and so the join check) now
         self._join_lock = asyncio.Lock()
@@ -209,20 +219,19 @@ class WorkerClient:
         await self.sock.send(P.encode(msg))
 
     def subscribe(self, request_id: str) -> asyncio.Queue[GenerateDelta | ErrorInfo]:
-        q: asyncio.Queue[GenerateDelta | ErrorInfo] = asyncio.Queue()
-        self._streams[request_id] = q
-        self._next_seq[request_id] = 0
-        return q
+        """The request's deltas from this (decode) worker, checked for holes, then its error if it ends here."""
+        sub = self._subs[request_id] = _Subscription(queue=asyncio.Queue())
+        assert sub.queue is not None
+        return sub.queue
 
     def unsubscribe(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self._next_seq.pop(request_id, None)
-        self._handoffs.pop(request_id, None)
+        self._subs.pop(request_id, None)
 
     def watch_handoff(self, request_id: str) -> asyncio.Event:
         """Set when this (prefill) worker reports that the request's KV handoff started."""
-        ev = self._handoffs[request_id] = asyncio.Event()
-        return ev
+        sub = self._subs[request_id] = _Subscription(started=asyncio.Event())
+        assert sub.started is not None
+        return sub.started
 
     async def fetch_info(self, timeout: float = 5.0) -> P.InfoResp:
         resp = await self.call(lambda cid: P.InfoReq(call_id=cid), timeout)
@@ -247,9 +256,9 @@ class WorkerClient:
                 continue
             match msg:
                 case P.HandoffStarted(request_id=rid):
-                    ev = self._handoffs.get(rid)
-                    if ev is not None:
-                        ev.set()
+                    sub = self._subs.get(rid)
+                    if sub is not None and sub.started is not None:
+                        sub.started.set()
                 case P.DeltaMsg():
                     self._deliver(msg)
                 case P.DrainNotice():
@@ -262,25 +271,26 @@ class WorkerClient:
 
     def _deliver(self, msg: P.DeltaMsg) -> None:
         rid = msg.delta.request_id
-        q = self._streams.get(rid)
-        if q is None:
+        sub = self._subs.get(rid)
+        if sub is None or sub.queue is None:
             return  # the request already ended here (client gone, failed): its late output is dropped
-        want = self._next_seq[rid]
+        want = sub.next_seq
         if msg.seq != want:
             what = "repeated" if msg.seq < want else f"{msg.seq - want} lost"
-            q.put_nowait(StreamBroken(
+            sub.queue.put_nowait(StreamBroken(
                 f"request {rid}: output from {self.name} arrived with a hole (delta {msg.seq} where {want} was "
                 f"due: {what}); the answer would be incomplete, so the request failed").to_info())
-            self._streams.pop(rid, None)  # nothing more is passed on for it
+            del self._subs[rid]  # nothing more is passed on for it
             return
-        self._next_seq[rid] = want + 1
-        q.put_nowait(msg.delta)
+        sub.next_seq = want + 1
+        sub.queue.put_nowait(msg.delta)
 
     def _fail_all(self, err: WorkerFailed) -> None:
         info = err.to_info()
-        for q in self._streams.values():
-            q.put_nowait(info)
-        self._streams.clear()
+        for sub in self._subs.values():
+            if sub.queue is not None:
+                sub.queue.put_nowait(info)
+        self._subs = {rid: sub for rid, sub in self._subs.items() if sub.queue is None}
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(WorkerFailed(err.message))
