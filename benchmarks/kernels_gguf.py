@@ -33,7 +33,7 @@ import torch
 
 from benchmarks import cpu_record
 from kvseal.kernels import ops
-from kvseal.kernels.ops import TYPE_NAMES, PackedWeight, QWeight
+from kvseal.kernels.weights import BLOCKS, TYPE_NAMES, PackedWeight, QWeight, fuse_rows
 
 _MATS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
 
@@ -76,7 +76,7 @@ def check_blocks(tensors: dict[str, Any]) -> list[dict[str, Any]]:
     """Per block type in the file: 64 rows of one tensor, dequantized against gguf-py, products against float64."""
     seen: dict[int, str] = {}
     for name, t in tensors.items():
-        if len(t.shape) == 2 and int(t.tensor_type) in ops.BLOCKS:
+        if len(t.shape) == 2 and int(t.tensor_type) in BLOCKS:
             seen.setdefault(int(t.tensor_type), name)
     out = []
     for qtype, name in sorted(seen.items()):
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     head = packed(tensors["output.weight" if "output.weight" in tensors else "token_embd.weight"])
     fast = [[QWeight.pack(*parts) for parts in layer] for layer in ws]
     fhead = QWeight.pack(head)
-    exact = [[ops.fuse_rows(parts) for parts in layer] for layer in ws]
+    exact = [[fuse_rows(parts) for parts in layer] for layer in ws]
     step_bytes = sum(q.nbytes for layer in fast for q in layer) + fhead.nbytes
     gguf_bytes = sum(p.nbytes for layer in ws for parts in layer for p in parts) + head.nbytes
     macs = sum(q.n * q.k for layer in fast for q in layer) + fhead.n * fhead.k

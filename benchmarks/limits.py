@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def instruction_peaks() -> None:
     """One core's issue rate of the three multiply-add instructions (12 independent ones in a loop)."""
-    from kvseal.kernels.ops import lib
+    from kvseal.kernels.weights import lib
 
     for kind, name, macs in ((0, "int8 vpdpbusd", 64), (1, "fp32 vfmadd231ps", 16), (2, "bf16 vdpbf16ps", 32)):
         if lib().kvs_peak_issue(kind, 1) < 0:
@@ -73,7 +73,8 @@ def instruction_peaks() -> None:
 
 def model_products(rows: tuple[int, ...] = (1, 8, 32, 128, 512)) -> None:
     """All 210 layer matrices of the bundled model times (M, K) rows: int8 (fast arithmetic) vs bf16 vs fp32."""
-    from kvseal.kernels.ops import PackedWeight, QWeight, qisa, qlinear
+    from kvseal.kernels.ops import qisa, qlinear
+    from kvseal.kernels.weights import PackedWeight, QWeight
     from kvseal.model.loader import load_checkpoint
 
     ck = load_checkpoint(None)

@@ -52,7 +52,7 @@ def fast_blockers(kernels: str, arch: ModelArch, page_size: int, block_types: di
     """Why the fast arithmetic cannot run here (empty when it can). block_types: the GGML types (id -> name) the
     checkpoint keeps as blocks (Checkpoint.block_types). Every architecture's layers run (model/llama.py)."""
     reasons = []
-    from kvseal.kernels.ops import BLOCKS
+    from kvseal.kernels.weights import BLOCKS
 
     missing = sorted(name for t, name in (block_types or {}).items() if t not in BLOCKS)
     if missing:

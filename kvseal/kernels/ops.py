@@ -1,8 +1,7 @@
 """torch-facing wrappers of the native kernels: linear layers over GGUF blocks and paged decode attention.
 
-The weights they read (PackedWeight, FusedRows, QWeight, the GGUF block types) are in kernels/weights.py, and
-named here too. The native path differs from the dense one only in summation order (a relative ~1e-6 in the
-logits).
+The weights they read (PackedWeight, FusedRows, QWeight, the GGUF block types) are in kernels/weights.py. The
+native path differs from the dense one only in summation order (a relative ~1e-6 in the logits).
 """
 
 from __future__ import annotations
@@ -13,31 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvseal.kernels.weights import (  # noqa: F401  (re-exported: the weights cache names its dataclasses here)
-    BF16,
-    BLOCK_BYTES,
-    BLOCKS,
-    DENSE_FROM_ROWS,
-    F16,
-    F32,
-    FLOAT_TYPES,
-    MAX_SEGMENTS,
-    Q4_0,
-    Q4_1,
-    Q4_K,
-    Q5_0,
-    Q5_K,
-    Q6_K,
-    Q8_0,
-    TYPE_NAMES,
-    FusedRows,
-    PackedWeight,
-    QWeight,
-    _check,
-    fuse_rows,
-    lib,
-    row_bytes,
-)
+from kvseal.kernels.weights import DENSE_FROM_ROWS, MAX_SEGMENTS, FusedRows, PackedWeight, QWeight, _check, lib
 
 
 class MatDesc(ctypes.Structure):

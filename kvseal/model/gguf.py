@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 
-from kvseal.kernels.ops import BLOCKS
+from kvseal.kernels.weights import BLOCKS
 from kvseal.model.arch import ModelArch
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.file_index import file_digests

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvseal.kernels import ops
-from kvseal.kernels.ops import FusedRows, PackedWeight, QWeight
+from kvseal.kernels.weights import FusedRows, PackedWeight, QWeight
 from kvseal.model.arch import ModelArch
 from kvseal.model.attention import AttentionMeta, paged_attention, window_attention_kt
 from kvseal.model.checkpoint import Checkpoint

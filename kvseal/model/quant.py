@@ -24,12 +24,12 @@ def native_dequant_types() -> frozenset[int]:
     if not cpu_supports().ok:
         return frozenset()
     try:
-        from kvseal.kernels import ops
+        from kvseal.kernels import weights
 
-        ops.lib()
+        weights.lib()
     except (RuntimeError, OSError):
         return frozenset()
-    return frozenset(ops.BLOCKS)
+    return frozenset(weights.BLOCKS)
 
 
 def row_bytes(qtype: int, k: int) -> int:

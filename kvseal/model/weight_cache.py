@@ -5,7 +5,7 @@ loads the same file, so the workers of one host share its pages through the page
 File layout: blobs (64-byte aligned) | header (JSON) | footer (64 bytes: magic b"KVSWCACH", format version u32,
 header offset u64, header length u64, sha256 of the header, padding).
 The header maps each entry name to its value: an int/float/str/bool/None as is, {"tensor": [offset, nbytes,
-dtype, shape]}, {"tuple": [...]}, or {"dataclass": name, "fields": {...}} for a dataclass of kvseal.kernels.ops
+dtype, shape]}, {"tuple": [...]}, or {"dataclass": name, "fields": {...}} for a dataclass of kvseal.kernels.weights
 (PackedWeight, QWeight, and whatever the kernels add: its fields travel as they are).
 
 Opening checks the size, magic, version, header checksum, key and that every blob lies inside the file; a file
@@ -95,7 +95,7 @@ class _Reader:
                 self._check(x)
 
     def value(self, v: Any) -> Any:
-        from kvseal.kernels import ops
+        from kvseal.kernels import weights
 
         if isinstance(v, dict) and "tensor" in v:
             off, nbytes, dtype, shape = v["tensor"]
@@ -103,9 +103,9 @@ class _Reader:
         if isinstance(v, dict) and "tuple" in v:
             return tuple(self.value(x) for x in v["tuple"])
         if isinstance(v, dict) and "dataclass" in v:
-            cls: Any = getattr(ops, v["dataclass"], None)
+            cls: Any = getattr(weights, v["dataclass"], None)
             if cls is None or not isinstance(cls, type) or not dataclasses.is_dataclass(cls):
-                raise CacheInvalid(f"kvseal.kernels.ops has no dataclass {v['dataclass']!r}")
+                raise CacheInvalid(f"kvseal.kernels.weights has no dataclass {v['dataclass']!r}")
             return cls(**{k: self.value(x) for k, x in v["fields"].items()})
         return v
 
@@ -149,10 +149,10 @@ class _Writer:
             return tuple(p[0] for p in pairs), {"tuple": [p[1] for p in pairs]}
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
             name = type(v).__name__
-            from kvseal.kernels import ops
+            from kvseal.kernels import weights
 
-            if getattr(ops, name, None) is not type(v):
-                raise TypeError(f"cannot cache a {type(v).__qualname__}: only dataclasses of kvseal.kernels.ops")
+            if getattr(weights, name, None) is not type(v):
+                raise TypeError(f"cannot cache a {type(v).__qualname__}: only dataclasses of kvseal.kernels.weights")
             fields = {f.name: self.store(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init}
             return type(v)(**{k: p[0] for k, p in fields.items()}), {
                 "dataclass": name, "fields": {k: p[1] for k, p in fields.items()}}

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kvseal.kernels import ops
-from kvseal.kernels.ops import FusedRows, PackedWeight, QWeight, fuse_rows, packed_linear, qlinear
+from kvseal.kernels.ops import packed_linear, qlinear
+from kvseal.kernels.weights import BLOCKS, FusedRows, PackedWeight, QWeight, fuse_rows
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.quant import QuantTensor
 
@@ -181,7 +181,7 @@ class ModelWeights:
         q = self.ckpt.packed.get(name)
         if q is None:
             return self.dense(name)
-        if self.native and q.qtype in ops.BLOCKS and q.row_order is None:
+        if self.native and q.qtype in BLOCKS and q.row_order is None:
             return PackedWeight(q.qtype, q.n, q.k, q.data)
         return q
 
@@ -193,7 +193,7 @@ class ModelWeights:
                 return self._dense_cat(names)
             return Dequantized(tuple(p if p is not None else self.ckpt.weights[n] for p, n in zip(parts, names)),
                                self._k(names[0]), self.dtype, self.device, self.scratch)
-        missing = sorted({p.type_name for p in parts if p is not None and p.qtype not in ops.BLOCKS})
+        missing = sorted({p.type_name for p in parts if p is not None and p.qtype not in BLOCKS})
         if missing:
             if self.fast:  # the engine resolves to exact when the kernels lack a block type (Checkpoint.block_types)
                 raise ValueError(f"the fast arithmetic cannot take {', '.join(names)} ({', '.join(missing)} blocks)")

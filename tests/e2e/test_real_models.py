@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvseal.kernels.arithmetic import resolve_arithmetic
-from kvseal.kernels.ops import BLOCKS
+from kvseal.kernels.weights import BLOCKS
 from kvseal.model import file_index
 from kvseal.model.gguf import load_gguf
 from kvseal.model.loader import load_checkpoint

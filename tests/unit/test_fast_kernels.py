@@ -26,7 +26,8 @@ import torch
 
 from kvseal.kernels import ops
 from kvseal.kernels.arithmetic import fast_blockers, resolve_arithmetic
-from kvseal.kernels.ops import F32, FLOAT_TYPES, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, TYPE_NAMES, QWeight, qlinear
+from kvseal.kernels.ops import qlinear
+from kvseal.kernels.weights import F32, FLOAT_TYPES, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, TYPE_NAMES, QWeight
 from kvseal.model.arch import ModelArch
 from tests.unit.test_kernels import (
     ALL_TYPES,

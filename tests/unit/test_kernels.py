@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from kvseal.kernels import build
-from kvseal.kernels.ops import (
+from kvseal.kernels.ops import packed_linear, paged_decode_attention
+from kvseal.kernels.weights import (
     BF16,
     BLOCKS,
     DENSE_FROM_ROWS,
@@ -34,8 +35,6 @@ from kvseal.kernels.ops import (
     TYPE_NAMES,
     FusedRows,
     PackedWeight,
-    packed_linear,
-    paged_decode_attention,
 )
 from kvseal.kv.allocator import pages_for
 from kvseal.model.arch import ModelArch

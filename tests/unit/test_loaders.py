@@ -14,7 +14,7 @@ import gguf
 import pytest
 import torch
 
-from kvseal.kernels.ops import BLOCKS
+from kvseal.kernels.weights import BLOCKS
 from kvseal.model import loader
 from kvseal.model.arch import ModelArch
 from kvseal.model.checkpoint import Checkpoint
@@ -216,7 +216,7 @@ def test_tiny_gguf_round_trip(tiny_root: Path, family: str, pre: str) -> None:
     assert got.name == f"tiny-{family}" and got.source == path
     assert got.arch == dataclasses.replace(hf.arch, rms_eps=got.arch.rms_eps)  # eps is float32 in a GGUF
     assert got.arch.rms_eps == pytest.approx(1e-6, rel=1e-6)
-    # blocks stay packed; so do float matrices when the kernels take them as stored (F32 in ops.BLOCKS)
+    # blocks stay packed; so do float matrices when the kernels take them as stored (F32 in weights.BLOCKS)
     floats_as_stored = int(gguf.GGMLQuantizationType.F32) in BLOCKS
     assert set(got.packed) == set(quantize) | {n for n, t in hf.weights.items() if t.dim() == 2 and floats_as_stored}
     assert set(got.weights) | set(got.packed) == set(hf.weights)

@@ -13,8 +13,8 @@ import gguf
 import pytest
 import torch
 
-from kvseal.kernels import ops
-from kvseal.kernels.ops import QWeight
+from kvseal.kernels import weights
+from kvseal.kernels.weights import QWeight
 from kvseal.model import file_index
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.gguf import load_gguf
@@ -158,7 +158,7 @@ def test_a_block_type_without_kernel_is_dequantized_per_call(tmp_path: Path, cac
                                                              caplog: pytest.LogCaptureFixture) -> None:
     from kvseal import LLM, SamplingParams
 
-    monkeypatch.delitem(ops.BLOCKS, int(Q.Q5_1), raising=False)  # whatever the kernels add later
+    monkeypatch.delitem(weights.BLOCKS, int(Q.Q5_1), raising=False)  # whatever the kernels add later
     ck = load_gguf(tiny_quantized(tmp_path, family="qwen2", v=Q.Q5_1), progress=False)
     assert ck.block_types()[int(Q.Q5_1)] == "Q5_1"
     prompts = [[5, 9, 40, 41, 42, 7], [100, 3, 3, 77]]
@@ -221,7 +221,7 @@ def test_no_float_copy_of_a_quantized_weight_in_any_path(kernels: str, arithmeti
 
 
 def test_cache_file_round_trip_and_nothing_derived_means_no_file(tmp_path: Path) -> None:
-    from kvseal.kernels.ops import PackedWeight
+    from kvseal.kernels.weights import PackedWeight
     from kvseal.model.weight_cache import WeightCache
 
     empty = WeightCache(tmp_path, "nothing", "key-0", reserve=1 << 20)
