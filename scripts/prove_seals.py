@@ -201,7 +201,7 @@ MUTATIONS = [
      "        if meta.get(\"key\") != key:\n",
      "        if False:\n",
      ["tests/unit/test_weight_cache.py::test_corrupt_cache_is_rebuilt"], False),
-    ("1 no silent holes (the router checks delta numbers)", "kvseal/router/workers.py",
+    ("1 no silent holes (the router checks delta numbers)", "kvseal/router/disagg_request.py",
      "        if msg.seq != want:",
      "        if False:",
      ["tests/integration/test_stream_holes.py::test_a_lost_delta_fails_the_request_instead_of_a_200_with_text_missing"],

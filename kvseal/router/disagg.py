@@ -135,7 +135,7 @@ class DisaggBackend:
     def _client(self, role: str, endpoint: str, registered: bool = False, key: str | None = None) -> WorkerClient:
         assert self._ctx is not None
         return WorkerClient(role, endpoint, self._ctx, self._check, registered=registered, keys=self.keys,
-                            server_key=key or self.server_keys.get(endpoint))
+                            server_key=key or self.server_keys.get(endpoint), requests=self.requests)
 
     def _check(self, w: WorkerClient, card: WorkerCard) -> None:
         assert self.spec is not None
@@ -255,13 +255,16 @@ class DisaggBackend:
                        pin: tuple[str, str] | None = None) -> AsyncGenerator[GenerateDelta, None]:
         """One request, along the protocol (router/disagg_request.py). pin: (prefill endpoint, decode endpoint)
         to use instead of the pairing policy (kvseal doctor)."""
+        def pick_prefill() -> WorkerClient:
+            return self._pinned(self.prefills, "prefill", pin[0]) if pin else self._pick(self.prefills, "prefill", req)
+
+        def pick_decode() -> WorkerClient:
+            return self._pinned(self.decodes, "decode", pin[1]) if pin else self._pick(self.decodes, "decode")
+
         r = DisaggRequest(req, self.timeouts)
-        self.requests[req.request_id] = r
+        self.requests[req.request_id] = r  # from here on, the workers' connections hand its frames to r
         try:
-            await r.reserve(self._pinned(self.prefills, "prefill", pin[0]) if pin else
-                            self._pick(self.prefills, "prefill", req),
-                            lambda: self._pinned(self.decodes, "decode", pin[1]) if pin else
-                            self._pick(self.decodes, "decode"))
+            await r.reserve(pick_prefill, pick_decode)
             r.start_prefill()
             while True:
                 delta = await r.next_delta()

@@ -68,17 +68,21 @@ class DisaggRequest:
         self.decode: WorkerClient | None = None
         self.where: WorkerClient | None = None  # the worker the request is with now (named in its error)
         self.reservation: Any = None  # decode's P.Reservation once granted
-        self._deltas: asyncio.Queue[GenerateDelta | ErrorInfo] | None = None
+        # what decode's connection hands in (take_delta): its deltas, numbered 0, 1, 2, ..., then its error
+        self._deltas: asyncio.Queue[GenerateDelta | ErrorInfo] = asyncio.Queue()
+        self._next_seq = 0  # the number decode's next delta must carry
+        self._streaming = False  # decode's deltas are passed on: from start_prefill until a hole, a lost decode
         self._prefill_task: asyncio.Task[P.Message] | None = None
-        self._started: asyncio.Event | None = None  # set when prefill reports the KV left
+        self._started = asyncio.Event()  # set when prefill reports the KV left
         self._first = True  # no delta from decode yet
 
     # -- reserve ---------------------------------------------------------------------------------------
-    async def reserve(self, prefill: WorkerClient, pick_decode: Callable[[], WorkerClient]) -> None:
-        """Pair `prefill` with a decode worker from pick_decode() that reserves the pages. The decode worker is
-        known before the wait: a client that leaves while its request is queued there gets it aborted there."""
-        self.where = self.prefill = prefill
-        prefill.inflight += 1
+    async def reserve(self, pick_prefill: Callable[[], WorkerClient], pick_decode: Callable[[], WorkerClient]) -> None:
+        """Pair the prefill worker from pick_prefill() with a decode worker from pick_decode() that reserves the
+        pages. The decode worker is known before the wait: a client that leaves while its request is queued there
+        gets it aborted there."""
+        self.where = self.prefill = pick_prefill()
+        self.prefill.inflight += 1
         for attempt in range(PICK_ATTEMPTS):
             self.where = self.decode = pick_decode()
             self.decode.inflight += 1
@@ -108,12 +112,39 @@ class DisaggRequest:
     # -- prefill ---------------------------------------------------------------------------------------
     def start_prefill(self) -> None:
         assert self.prefill is not None and self.decode is not None
-        rid = self.req.request_id
-        self._deltas = self.decode.subscribe(rid)
-        self._started = self.prefill.watch_handoff(rid)
+        self._streaming = True
         self.life.advance(State.PREFILLING)
         self._prefill_task = asyncio.ensure_future(self.prefill.call(
             lambda cid: P.PrefillReq(call_id=cid, request=self.req, reservation=self.reservation), None))
+
+    # -- frames from the two workers (their connections' readers, router/workers.py) ----------------------
+    def handoff_started(self, w: WorkerClient) -> None:
+        """Prefill reports that the KV handoff started (only this request's own prefill worker counts)."""
+        if w is self.prefill:
+            self._started.set()
+
+    def take_delta(self, w: WorkerClient, msg: P.DeltaMsg) -> None:
+        """A delta from decode. They must arrive numbered 0, 1, 2, ...: a gap, a repeat or a reordering ends the
+        request FAILED (StreamBroken) instead of passing on an answer with text missing (seal 1); nothing more is
+        passed on after that. A delta from any worker but this request's decode is dropped."""
+        if w is not self.decode or not self._streaming:
+            return
+        want = self._next_seq
+        if msg.seq != want:
+            what = "repeated" if msg.seq < want else f"{msg.seq - want} lost"
+            self._deltas.put_nowait(StreamBroken(
+                f"request {self.req.request_id}: output from {w.name} arrived with a hole (delta {msg.seq} where "
+                f"{want} was due: {what}); the answer would be incomplete, so the request failed").to_info())
+            self._streaming = False
+            return
+        self._next_seq = want + 1
+        self._deltas.put_nowait(msg.delta)
+
+    def worker_lost(self, w: WorkerClient, err: ErrorInfo) -> None:
+        """A worker's connection was lost: decode's error ends the stream (a lost prefill fails its call)."""
+        if w is self.decode and self._streaming:
+            self._deltas.put_nowait(err)
+            self._streaming = False
 
     # -- next ------------------------------------------------------------------------------------------
     async def next_delta(self) -> GenerateDelta:
@@ -121,7 +152,7 @@ class DisaggRequest:
         assert self.decode is not None
         item = await self._wait()
         if isinstance(item, ErrorInfo):
-            if self._first and self._started is not None and self._started.is_set():
+            if self._first and self._started.is_set():
                 self._advance_to(State.TRANSFERRING.value)  # prefill said the KV left: it failed in the handoff
             raise KvsealError.from_info(item)
         if item.final is not None and item.error is not None:
@@ -147,8 +178,7 @@ class DisaggRequest:
         other; when one is overdue, decode is asked whether it still holds the request (waiting for pages,
         preempted): then the wait goes on, else its final delta was lost and the request fails (StreamBroken)."""
         decode, prefill, task, started = self.decode, self.prefill, self._prefill_task, self._started
-        assert decode is not None and prefill is not None and task is not None and started is not None
-        assert self._deltas is not None
+        assert decode is not None and prefill is not None and task is not None
         t = self.timeouts
         timeout = decode.card.reservation_timeout_s
         assert timeout is not None  # check_worker admits no decode worker without one
@@ -266,10 +296,7 @@ class DisaggRequest:
                     await _safe_notify(w, P.AbortReq(request_id=rid, error=cause.to_info()))
         if self._prefill_task is not None and not self._prefill_task.done():
             self._prefill_task.cancel()
-        if self._deltas is not None and self.decode is not None:
-            self.decode.unsubscribe(rid)
-        if self.prefill is not None:
-            self.prefill.unsubscribe(rid)
+        self._streaming = False
         for w in (self.prefill, self.decode):
             if w is not None:
                 w.inflight -= 1

@@ -1,11 +1,10 @@
-"""The router's handle on one worker: a ZeroMQ DEALER, calls with timeouts, per-request delta queues, and the
-worker's standing in the fleet (router/membership.py).
+"""The router's handle on one worker: a ZeroMQ DEALER, calls with timeouts, each request's frames handed to the
+request (router/disagg_request.py), and the worker's standing in the fleet (router/membership.py).
 
 A worker gets requests only while SERVING, and it gets there only by passing the fleet check (seal 7) that the
 backend hands in as `check`: when it is first admitted, and again whenever it connects, reconnects or answers as
 a new process (another instance id). A dropped connection, or no answer to the heartbeat, fails its requests at
-once. Deltas must arrive numbered 0, 1, 2, ... per request: a gap, a repeat or a reordering ends that request
-FAILED (StreamBroken) instead of passing on an answer with text missing.
+once.
 
 With fleet keys the DEALER is a CURVE client pinned to the worker's own key (`server_key`): a process at that
 endpoint without the worker's secret key completes no handshake, so it never gets a frame from the router.
@@ -17,9 +16,8 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -27,8 +25,7 @@ import zmq.asyncio
 
 from kvseal.auth.curve import as_client
 from kvseal.auth.keys import MemberKeys
-from kvseal.engine.messages import GenerateDelta
-from kvseal.errors import CapacityMismatch, ErrorInfo, StreamBroken, WorkerFailed
+from kvseal.errors import CapacityMismatch, ErrorInfo, WorkerFailed
 from kvseal.router.membership import Membership, Standing
 from kvseal.worker import protocol as P
 from kvseal.worker.card import WorkerCard
@@ -39,20 +36,22 @@ log = logging.getLogger("kvseal.router")
 Check = Callable[["WorkerClient", WorkerCard], None]
 
 
-@dataclass
-class _Subscription:
-    """One request on one worker connection: a decode worker's deltas (numbered from 0), or a prefill worker's
-    notice that the handoff started."""
+class Routed(Protocol):
+    """A request as a worker connection's reader sees it (router/disagg_request.py `DisaggRequest`): each frame
+    for the request is handed to the request itself, which checks that it comes from its own worker."""
 
-    queue: asyncio.Queue[GenerateDelta | ErrorInfo] | None = None
-    next_seq: int = 0  # the number the next delta must carry
-    started: asyncio.Event | None = None
+    def handoff_started(self, w: WorkerClient) -> None: ...
+
+    def take_delta(self, w: WorkerClient, msg: P.DeltaMsg) -> None: ...
+
+    def worker_lost(self, w: WorkerClient, err: ErrorInfo) -> None: ...
 
 
 class WorkerClient:
     def __init__(self, role: str, endpoint: str, ctx: zmq.asyncio.Context, check: Check,
                  heartbeat_s: float = 1.0, dead_after_s: float = 60.0, registered: bool = False,
-                 keys: MemberKeys | None = None, server_key: str | None = None) -> None:
+                 keys: MemberKeys | None = None, server_key: str | None = None,
+                 requests: Mapping[str, Routed] | None = None) -> None:
         self.role, self.endpoint, self.check = role, endpoint, check
         self.registered = registered  # joined through the fleet socket (not on the router's command line)
         self.server_key = server_key  # the worker's fleet key, pinned (None without keys)
@@ -66,8 +65,9 @@ class WorkerClient:
         self.instance: str | None = None  # the worker process that last passed (or failed) the check
         self._ids = itertools.count(1)
         self._calls: dict[int, asyncio.Future[P.Message]] = {}
-        # request id -> what this connection's reader routes to the request (its deltas, its handoff notice)
-        self._subs: dict[str, _Subscription] = {}
+        # the router's one home for its requests (DisaggBackend.requests, read here): this connection's reader
+        # hands a request's frames (its deltas, its handoff notice) to the request
+        self.requests: Mapping[str, Routed] = {} if requests is None else requests
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()  # a (re)connect: run the heartbeat (and so the join check) now
         self._join_lock = asyncio.Lock()
@@ -208,7 +208,7 @@ class WorkerClient:
         fut: asyncio.Future[P.Message] = asyncio.get_running_loop().create_future()
         self._calls[cid] = fut
         try:
-            await self.sock.send(P.encode(make(cid)))
+            await self.notify(make(cid))
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             raise WorkerFailed(f"{self.name} did not answer within {timeout:g}s") from None
@@ -216,22 +216,8 @@ class WorkerClient:
             self._calls.pop(cid, None)
 
     async def notify(self, msg: P.Message) -> None:
+        """Send msg (every frame to this worker leaves here; a call then awaits its answer)."""
         await self.sock.send(P.encode(msg))
-
-    def subscribe(self, request_id: str) -> asyncio.Queue[GenerateDelta | ErrorInfo]:
-        """The request's deltas from this (decode) worker, checked for holes, then its error if it ends here."""
-        sub = self._subs[request_id] = _Subscription(queue=asyncio.Queue())
-        assert sub.queue is not None
-        return sub.queue
-
-    def unsubscribe(self, request_id: str) -> None:
-        self._subs.pop(request_id, None)
-
-    def watch_handoff(self, request_id: str) -> asyncio.Event:
-        """Set when this (prefill) worker reports that the request's KV handoff started."""
-        sub = self._subs[request_id] = _Subscription(started=asyncio.Event())
-        assert sub.started is not None
-        return sub.started
 
     async def fetch_info(self, timeout: float = 5.0) -> P.InfoResp:
         resp = await self.call(lambda cid: P.InfoReq(call_id=cid), timeout)
@@ -256,11 +242,11 @@ class WorkerClient:
                 continue
             match msg:
                 case P.HandoffStarted(request_id=rid):
-                    sub = self._subs.get(rid)
-                    if sub is not None and sub.started is not None:
-                        sub.started.set()
+                    if (r := self.requests.get(rid)) is not None:
+                        r.handoff_started(self)
                 case P.DeltaMsg():
-                    self._deliver(msg)
+                    if (r := self.requests.get(msg.delta.request_id)) is not None:
+                        r.take_delta(self, msg)  # else it already ended (client gone, failed): dropped
                 case P.DrainNotice():
                     if self.member.standing is Standing.SERVING:
                         self.member.move(Standing.DRAINING, "it is draining (SIGTERM or `kvseal drain`)")
@@ -269,28 +255,10 @@ class WorkerClient:
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
 
-    def _deliver(self, msg: P.DeltaMsg) -> None:
-        rid = msg.delta.request_id
-        sub = self._subs.get(rid)
-        if sub is None or sub.queue is None:
-            return  # the request already ended here (client gone, failed): its late output is dropped
-        want = sub.next_seq
-        if msg.seq != want:
-            what = "repeated" if msg.seq < want else f"{msg.seq - want} lost"
-            sub.queue.put_nowait(StreamBroken(
-                f"request {rid}: output from {self.name} arrived with a hole (delta {msg.seq} where {want} was "
-                f"due: {what}); the answer would be incomplete, so the request failed").to_info())
-            del self._subs[rid]  # nothing more is passed on for it
-            return
-        sub.next_seq = want + 1
-        sub.queue.put_nowait(msg.delta)
-
     def _fail_all(self, err: WorkerFailed) -> None:
         info = err.to_info()
-        for sub in self._subs.values():
-            if sub.queue is not None:
-                sub.queue.put_nowait(info)
-        self._subs = {rid: sub for rid, sub in self._subs.items() if sub.queue is None}
+        for r in list(self.requests.values()):
+            r.worker_lost(self, info)
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(WorkerFailed(err.message))
