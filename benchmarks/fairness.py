@@ -15,8 +15,12 @@ flood's start to its last answer); B's share of the tokens the router served whi
 chat a second: its share is bounded by what it asks for, not by the scheduler). Then the issue's targets:
 B's TTFT p99 under the flood <= max(2 x alone, alone + 1 s), A's throughput >= 0.9 x the off figure.
 
-vLLM's CPU build with its `priority` scheduling is not run here (scripts/setup_baselines.sh vllm builds it; see
-docs/benchmarks.md for why it was not run on the 2-core machine).
+Mode `vllm` (when scripts/setup_baselines.sh vllm installed it): vLLM's CPU build, `--scheduling-policy priority`,
+the same model (converted to safetensors), window and workload, with B's requests at priority 0 and A's at 1 (in
+vLLM a lower value is served first): what a vLLM user can do for an interactive tenant. vLLM has no tenants, so
+B's share of the served tokens is not measured there.
+
+    python -m benchmarks.fairness --modes vtc,off,vllm --vllm-dtype float32
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import ServerProc, make_prompts, markdown_table, median, percentile
+from benchmarks.common import ManagedServer, ServerProc, free_port, make_prompts, markdown_table, median, percentile
+from benchmarks.systems import Settings, launch, unavailable
 
 KEYS = {"a": "sk-bench-fair-a", "b": "sk-bench-fair-b", "ops": "sk-bench-fair-ops"}
 CHAT = [{"role": "user", "content": "Say hello to the team in one short sentence."}]
@@ -50,10 +56,10 @@ def cpu_model() -> str:
     return "unknown"
 
 
-async def chat(c: httpx.AsyncClient, model: str, max_tokens: int) -> dict[str, float]:
+async def chat(c: httpx.AsyncClient, model: str, max_tokens: int, extra: dict[str, Any]) -> dict[str, float]:
     """One streamed chat: TTFT, time from the first token to the end, completion tokens."""
     body = {"model": model, "messages": CHAT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
     t0 = time.monotonic()
     first, n = None, 0
     async with c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -72,23 +78,25 @@ async def chat(c: httpx.AsyncClient, model: str, max_tokens: int) -> dict[str, f
     return {"ttft": first - t0, "decode_s": end - first, "tokens": float(n)}
 
 
-async def every_second(c: httpx.AsyncClient, model: str, seconds: float, max_tokens: int) -> list[dict[str, float]]:
+async def every_second(c: httpx.AsyncClient, model: str, seconds: float, max_tokens: int,
+                       extra: dict[str, Any]) -> list[dict[str, float]]:
     """B: one chat a second (open loop: a slow answer does not delay the next one)."""
     tasks = []
     t0 = time.monotonic()
     for i in range(int(seconds)):
         await asyncio.sleep(max(0.0, t0 + i - time.monotonic()))
-        tasks.append(asyncio.ensure_future(chat(c, model, max_tokens)))
+        tasks.append(asyncio.ensure_future(chat(c, model, max_tokens, extra)))
     return list(await asyncio.gather(*tasks))
 
 
-async def flood(c: httpx.AsyncClient, model: str, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+async def flood(c: httpx.AsyncClient, model: str, prompts: list[list[int]], max_tokens: int,
+                extra: dict[str, Any]) -> dict[str, float]:
     """A: every prompt at once; its throughput from the first send to the last answer."""
     t0 = time.monotonic()
 
     async def one(p: list[int]) -> int:
         r = await c.post("/v1/completions", json={"model": model, "prompt": p, "max_tokens": max_tokens,
-                                                  "temperature": 0, "ignore_eos": True})
+                                                  "temperature": 0, "ignore_eos": True, **extra})
         if r.status_code != 200:
             raise RuntimeError(f"A's request got HTTP {r.status_code}: {r.text[:300]}")
         u = r.json()["usage"]
@@ -118,40 +126,54 @@ def b_figures(rows: list[dict[str, float]], tag: str) -> dict[str, float]:
             f"b_tok_s_{tag}": median(speed), f"b_requests_{tag}": float(len(rows))}
 
 
+def vllm_server(a: argparse.Namespace) -> ManagedServer:
+    """vLLM's CPU build on a free port: the bundled model converted, priority scheduling, the same window."""
+    s = Settings(model_path="", vllm_dtype=a.vllm_dtype, n_ctx=a.max_model_len)
+    if (why := unavailable("vllm", s)) is not None:
+        raise SystemExit(f"vllm: {why}")
+    port = free_port()
+    spec = launch("vllm", port, s)
+    log = Path(tempfile.mkdtemp(prefix="kvseal-fair-vllm-")) / "vllm.log"
+    return ManagedServer([*spec.argv, "--scheduling-policy", "priority"], f"http://127.0.0.1:{port}",
+                         spec.ready_path, str(log), env=dict(spec.env))
+
+
 def one_mode(a: argparse.Namespace, mode: str, keys: Path) -> dict[str, float]:
-    server = ServerProc(["--fairness", mode, "--api-keys", str(keys), "--max-model-len", str(a.max_model_len),
-                         *a.serve_args])
+    server: ManagedServer = vllm_server(a) if mode == "vllm" else ServerProc(
+        ["--fairness", mode, "--api-keys", str(keys), "--max-model-len", str(a.max_model_len), *a.serve_args])
     try:
-        server.wait_ready(600)
-        server.model = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEYS['ops']}"},
-                                 timeout=10).json()["data"][0]["id"]
-        return asyncio.run(measure(a, mode, server))
+        server.wait_ready(900)
+        model = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEYS['ops']}"},
+                          timeout=10).json()["data"][0]["id"]
+        return asyncio.run(measure(a, mode, server.url, model))
     finally:
         server.stop()
 
 
-async def measure(a: argparse.Namespace, mode: str, server: ServerProc) -> dict[str, float]:
+async def measure(a: argparse.Namespace, mode: str, url: str, model: str) -> dict[str, float]:
     limits = httpx.Limits(max_connections=a.flood + 64)
-    async with httpx.AsyncClient(base_url=server.url, timeout=3600, limits=limits,
+    # vLLM: priority scheduling, B first (a lower value is served sooner); kvseal: the tenants file decides
+    pa, pb = ({"priority": 1}, {"priority": 0}) if mode == "vllm" else ({}, {})
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits,
                                  headers={"Authorization": f"Bearer {KEYS['a']}"}) as ca, \
-            httpx.AsyncClient(base_url=server.url, timeout=3600, limits=limits,
+            httpx.AsyncClient(base_url=url, timeout=3600, limits=limits,
                               headers={"Authorization": f"Bearer {KEYS['b']}"}) as cb:
         warm = make_prompts(1, a.flood_prompt, a.vocab, seed=999)
-        await flood(ca, server.model, warm, 2)  # both paths warm: templates, kernels, first steps
-        await chat(cb, server.model, 2)
-        alone = await every_second(cb, server.model, a.alone_seconds, a.b_tokens)
-        prompts = make_prompts(a.flood, a.flood_prompt, a.vocab, seed={"vtc": 1, "off": 2}[mode])
-        before = await asyncio.to_thread(served, server.url)
-        a_task = asyncio.ensure_future(flood(ca, server.model, prompts, a.flood_tokens))
-        under = await every_second(cb, server.model, a.b_seconds, a.b_tokens)
+        await flood(ca, model, warm, 2, pa)  # both paths warm: templates, kernels, first steps
+        await chat(cb, model, 2, pb)
+        alone = await every_second(cb, model, a.alone_seconds, a.b_tokens, pb)
+        prompts = make_prompts(a.flood, a.flood_prompt, a.vocab, seed={"vtc": 1, "off": 2, "vllm": 3}[mode])
+        before = {} if mode == "vllm" else await asyncio.to_thread(served, url)
+        a_task = asyncio.ensure_future(flood(ca, model, prompts, a.flood_tokens, pa))
+        under = await every_second(cb, model, a.b_seconds, a.b_tokens, pb)
         # B's window is over; A is still busy unless it finished first
-        during = await asyncio.to_thread(served, server.url)
+        during = {} if mode == "vllm" else await asyncio.to_thread(served, url)
         a_done = a_task.done()
         a_figs = await a_task
     share_a = during.get("a", 0.0) - before.get("a", 0.0)
     share_b = during.get("b", 0.0) - before.get("b", 0.0)
     return {**b_figures(alone, "alone"), **b_figures(under, "flood"), **a_figs,
-            "b_share_while_busy": share_b / max(share_a + share_b, 1.0),
+            "b_share_while_busy": share_b / (share_a + share_b) if share_a + share_b > 0 else float("nan"),
             "a_busy_through_b_window": float(not a_done)}
 
 
@@ -167,6 +189,11 @@ def report(res: dict[str, dict[str, float]], cpu: str) -> str:
         v, o = res["vtc"], res["off"]
         lines += [f"B's TTFT p99 under the flood, vtc/off: {v['b_ttft_p99_flood'] / o['b_ttft_p99_flood']:.3f}",
                   f"A's throughput, vtc/off: {v['a_tok_s'] / o['a_tok_s']:.3f} (target >= 0.9)"]
+    if "vtc" in res and "vllm" in res:
+        v, o = res["vtc"], res["vllm"]
+        ratio = v["b_ttft_p99_flood"] / o["b_ttft_p99_flood"]
+        lines += [f"B's TTFT p99 under the flood, kvseal vtc / vLLM priority: {ratio:.3f}",
+                  f"A's throughput, kvseal vtc / vLLM priority: {v['a_tok_s'] / o['a_tok_s']:.3f}"]
     for m, r in res.items():
         bound = max(2 * r["b_ttft_p99_alone"], r["b_ttft_p99_alone"] + 1.0)
         met = "met" if r["b_ttft_p99_flood"] <= bound else "NOT met"
@@ -189,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="vtc,off")
     p.add_argument("--a-kv-share", type=float, default=1.0,
                    help="A's kv_share in the tenants file (1: none); 0.5 keeps half of each pool for others")
+    p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (mode vllm)")
     p.add_argument("--out", default=None, help="write the figures as JSON here too")
     p.add_argument("serve_args", nargs="*", help="more `kvseal serve` flags (after --)")
     a = p.parse_args(argv)

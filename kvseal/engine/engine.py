@@ -21,6 +21,7 @@ from kvseal.engine.figures import engine_figures, engine_info
 from kvseal.engine.messages import GenerateDelta, GenerateRequest, TokenLogprob
 from kvseal.engine.output import final_delta, next_delta, take_token
 from kvseal.engine.params import check_request, check_window
+from kvseal.engine.pools import build_pools
 from kvseal.engine.runner import ModelRunner
 from kvseal.engine.sampling import sample
 from kvseal.engine.scheduler import Scheduler
@@ -37,11 +38,9 @@ from kvseal.errors import (
 from kvseal.kernels.arithmetic import resolve_arithmetic
 from kvseal.kernels.build import resolve as resolve_kernels
 from kvseal.kernels.memory import keep_freed_pages
-from kvseal.kv.allocator import PageAllocator, pages_for
-from kvseal.kv.pool import KVPool, pool_num_pages
+from kvseal.kv.allocator import PageAllocator
 from kvseal.kv.prefix_cache import PrefixCache, namespace_id, namespace_root, page_keys
 from kvseal.kv.spec import KVSpec
-from kvseal.kv.window import WindowPages, split_pages, split_window
 from kvseal.ledger.forensics import Forensics
 from kvseal.ledger.store import Ledger
 from kvseal.lifecycle import State
@@ -76,23 +75,12 @@ class Engine:
                              "--arithmetic fast, or drop --kv-dtype")
         self.model = LlamaModel(ckpt, self.dtype, self.device, native=self.kernels == "native",
                                 fast=self.arithmetic.fast, max_model_len=model_window)
-        num_pages = pool_num_pages(arch, cfg.cache, self.kv_dtype, default_tokens=2 * model_window)
         self.pages_scrubbed = 0  # seal 6, for /info and /metrics
-        # sliding-window layers in a pool of their own that keeps only each sequence's window (kv/window.py);
-        # a unified engine only: a handoff moves a page as every layer's KV
-        self.window: WindowPages | None = None
-        ps = cfg.cache.page_size
-        layout = "kt" if self.arithmetic.fast else "std"
-        if role == "unified" and cfg.cache.window_pages and split_window(self.model.windows):
-            sched, windowed = cfg.scheduler, sum(1 for w in self.model.windows if w)
-            num_pages, wpages = split_pages(num_pages, arch.num_layers - windowed, windowed,
-                                            split_window(self.model.windows), ps, sched.max_num_seqs,
-                                            sched.max_num_batched_tokens,
-                                            sched.max_num_seqs * pages_for(model_window, ps))
-            self.window = WindowPages(arch, self.model.windows, wpages, ps, self.kv_dtype, self.device,
-                                      scrub=self._count_scrubbed if cfg.cache.scrub else None, layout=layout)
-        self.pool = KVPool(arch, num_pages, ps, self.kv_dtype, self.device, layout=layout,
-                           num_layers=None if self.window is None else len(self.window.full_layers))
+        # sliding-window layers in a pool of their own that keeps only each sequence's window (kv/window.py)
+        self.pool, self.window = build_pools(arch, self.model.windows, cfg, role, self.kv_dtype, self.device,
+                                             "kt" if self.arithmetic.fast else "std", model_window,
+                                             self._count_scrubbed)
+        num_pages = self.pool.num_pages
         self.forensics: Forensics | None = None
         self.ownership_violations = 0  # seal 5 failures
         self.allocator = PageAllocator(num_pages, scrubber=self._scrub if cfg.cache.scrub else None)

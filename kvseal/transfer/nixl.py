@@ -43,7 +43,8 @@ from kvseal.transfer.manifest import KVManifest, PagePayload, PoolPages
 from kvseal.transfer.nixl_offer import Geometry, NixlOffer, check_offer, geometry
 from kvseal.transfer.nixl_reads import NixlReads, nixl_api, nixl_errors
 from kvseal.transfer.nixl_window import Exports
-from kvseal.transfer.zmq import Frame, Mutate, Source, ZmqTransport
+from kvseal.transfer.zmq import ZmqTransport
+from kvseal.transfer.zmq_wire import Frame, Mutate, Source
 
 log = logging.getLogger("kvseal.transfer.nixl")
 __all__ = ["NixlOffer", "NixlTransport", "nixl_api", "nixl_errors"]

@@ -27,36 +27,26 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from kvseal.auth.curve import as_client, as_plain_server, as_server
+from kvseal.auth.curve import as_plain_server, as_server
 from kvseal.auth.keys import MemberKeys
-from kvseal.auth.zap import USER, ZapHandler
-from kvseal.errors import ErrorInfo, TransferTimeout, TransferVerificationFailed, WorkerFailed
+from kvseal.auth.zap import ZapHandler
+from kvseal.errors import ErrorInfo, TransferTimeout, TransferVerificationFailed
 from kvseal.transfer.base import Arrival, Claim, TransferHandle, TransferState, TransferStatus, Transport
 from kvseal.transfer.kvmac import KvMac, new_session
 from kvseal.transfer.manifest import SCHEMA_VERSION, KVManifest, PagePayload, PoolPages
+from kvseal.transfer.zmq_dealers import Dealers, kv_socket
+from kvseal.transfer.zmq_wire import (
+    Frame,
+    Mutate,
+    Source,
+    TransferHeader,
+    TransferIdOnly,
+    TransferReply,
+    failed,
+    reply_status,
+)
 
 log = logging.getLogger("kvseal.transfer")
-
-Source = PagePayload | PoolPages
-Mutate = Callable[[KVManifest, Source], tuple[KVManifest, Source]]
-Frame = bytes | memoryview
-
-
-class TransferHeader(msgspec.Struct, frozen=True, kw_only=True):
-    transfer_id: str
-    manifest: KVManifest
-    v: int = SCHEMA_VERSION
-
-
-class TransferReply(msgspec.Struct, frozen=True, kw_only=True):
-    transfer_id: str
-    ok: bool
-    error: ErrorInfo | None = None  # set when ok is False: the receiver's original error
-    v: int = SCHEMA_VERSION
-
-
-class _TransferIdOnly(msgspec.Struct):  # salvages the id of a malformed header, to nack it
-    transfer_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +85,7 @@ class ZmqTransport(Transport):
         self._mac: KvMac | None = None  # a receiver's MAC framing (keys, not encrypt)
         self.kv_session = ""  # ... and its session, for the reservations (the sender learns it there)
         self.frames_unauthenticated = 0  # messages dropped unread: no valid MAC
-        self._dealers: dict[str, zmq.Socket[bytes]] = {}  # endpoint -> its one DEALER
-        self._dealer_keys: dict[str, tuple[str | None, str | None]] = {}  # endpoint -> (pinned key, session)
-        self._dealer_macs: dict[str, KvMac] = {}  # endpoint -> its MAC framing (a session was given)
+        self._dealers = Dealers(self._socket, keys)  # a sender's one DEALER per receiver endpoint
         self._pending: dict[str, _Pending] = {}  # transfer id -> in flight, no answer yet
         self._done: dict[str, TransferStatus] = {}  # transfer id -> terminal status not yet polled
         self._router: zmq.Socket[bytes] | None = None
@@ -105,43 +93,14 @@ class ZmqTransport(Transport):
         self._closed = False
         self._enc = msgspec.msgpack.Encoder()
         self._header_dec = msgspec.msgpack.Decoder(TransferHeader)
-        self._id_dec = msgspec.msgpack.Decoder(_TransferIdOnly)
+        self._id_dec = msgspec.msgpack.Decoder(TransferIdOnly)
         self._reply_dec = msgspec.msgpack.Decoder(TransferReply)
 
     # -- sockets ----------------------------------------------------------------------------------------
     def _socket(self, kind: int) -> zmq.Socket[bytes]:
         if self._closed:
             raise RuntimeError("the transport is closed")
-        s: zmq.Socket[bytes] = self._ctx.socket(kind)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, self._hwm)
-        s.setsockopt(zmq.RCVHWM, self._hwm)
-        s.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        s.setsockopt(zmq.TCP_KEEPALIVE_IDLE, self._keepalive_idle)
-        s.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 5)
-        s.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
-        return s
-
-    def _dealer(self, endpoint: str, server_key: str | None, session: str | None) -> zmq.Socket[bytes]:
-        sock = self._dealers.get(endpoint)
-        if sock is not None and self._dealer_keys[endpoint] != (server_key, session):
-            sock.close(0)  # another receiver now owns that endpoint: a new connection, with its credentials
-            self._dealer_macs.pop(endpoint, None)
-            sock = None
-        if sock is None:
-            if self.keys is not None and not (server_key and self.keys.admits(server_key)):
-                raise PermissionError(f"the KV receiver at {endpoint} names no fleet key on this worker's allow-list "
-                                      f"({server_key or 'none'}): nothing is sent to it")
-            sock = self._socket(zmq.DEALER)
-            if self.keys is not None and session:  # the receiver's MAC framing: its token, then a tag per message
-                mac = self._dealer_macs[endpoint] = KvMac(session)
-                sock.setsockopt(zmq.PLAIN_USERNAME, USER)
-                sock.setsockopt(zmq.PLAIN_PASSWORD, mac.token)
-            else:
-                as_client(sock, self.keys, server_key, f"decode worker's KV port at {endpoint}")
-            sock.connect(endpoint)
-            self._dealers[endpoint], self._dealer_keys[endpoint] = sock, (server_key, session)
-        return sock
+        return kv_socket(self._ctx, kind, self._hwm, self._keepalive_idle)
 
     @property
     def auth_refused(self) -> int:
@@ -165,17 +124,17 @@ class ZmqTransport(Transport):
         endpoint = handle.endpoint
         header = self._enc.encode(TransferHeader(transfer_id=handle.transfer_id, manifest=manifest))
         try:
-            sock = self._dealer(endpoint, server_key, session)
-            mac = self._dealer_macs.get(endpoint)
+            sock = self._dealers.open(endpoint, server_key, session)
+            mac = self._dealers.mac(endpoint)
             tag = [mac.tag([header, *frames])] if mac is not None else []
             # Whole multipart messages are queued atomically: NOBLOCK fails before any part goes, or not at all.
             sock.send_multipart([header, *frames, *tag], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            self._done[handle.transfer_id] = _failed(
+            self._done[handle.transfer_id] = failed(
                 f"KV transfer of request {manifest.request_id!r} to {endpoint}: the send queue is full "
                 f"({self._hwm} transfers); the decode worker is not reading")
         except (zmq.ZMQError, PermissionError, ValueError) as e:  # ValueError: an unreadable allow-list
-            self._done[handle.transfer_id] = _failed(
+            self._done[handle.transfer_id] = failed(
                 f"KV transfer of request {manifest.request_id!r} to {endpoint} could not be sent: {e}")
         else:
             self._pending[handle.transfer_id] = _Pending(handle, time.monotonic() + timeout, timeout)
@@ -222,7 +181,7 @@ class ZmqTransport(Transport):
                 frames = sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            mac = self._dealer_macs.get(endpoint)
+            mac = self._dealers.mac(endpoint)
             if mac is not None:  # an answer without the session's tag is not the receiver's: dropped unread
                 frames = frames[:1] if len(frames) == 2 and mac.check(frames[:1], frames[1]) else []
             try:
@@ -236,15 +195,7 @@ class ZmqTransport(Transport):
             pending = self._pending.pop(reply.transfer_id, None)
             if pending is None:
                 continue  # aborted or timed out: a late answer changes nothing
-            if reply.v != SCHEMA_VERSION:
-                status = _failed(f"the decode worker at {endpoint} answers with transfer schema v{reply.v}, "
-                                 f"this worker speaks v{SCHEMA_VERSION}: run one kvseal version")
-            elif reply.ok:
-                status = TransferStatus(TransferState.ACKED)
-            else:
-                status = TransferStatus(TransferState.REJECTED, reply.error or WorkerFailed(
-                    f"the decode worker at {endpoint} refused the KV without saying why").to_info())
-            self._done[reply.transfer_id] = status
+            self._done[reply.transfer_id] = reply_status(endpoint, reply)
 
     # -- receiver ---------------------------------------------------------------------------------------
     def listen(self, bind_endpoint: str) -> str:
@@ -361,15 +312,12 @@ class ZmqTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        for sock in [*self._dealers.values(), *([self._router] if self._router is not None else [])]:
-            sock.close(0)
-        self._dealers.clear()
+        self._dealers.close()
+        if self._router is not None:
+            self._router.close(0)
         self._router = None
         self._pending.clear()
         if self._zap is not None:
             self._zap.stop()
         self._ctx.term()
 
-
-def _failed(message: str) -> TransferStatus:
-    return TransferStatus(TransferState.FAILED, WorkerFailed(message).to_info())

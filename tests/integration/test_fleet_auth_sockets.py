@@ -31,7 +31,8 @@ from kvseal.transfer.manifest import (
     new_reservation_id,
     pack_pages,
 )
-from kvseal.transfer.zmq import TransferHeader, TransferReply, ZmqTransport
+from kvseal.transfer.zmq import ZmqTransport
+from kvseal.transfer.zmq_wire import TransferHeader, TransferReply
 from kvseal.worker.join import Registration
 
 pytestmark = [pytest.mark.integration, pytest.mark.serial]  # serial: 1.5 s transfer timeouts (scripts/test.sh)

@@ -23,7 +23,7 @@ from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.errors import ErrorInfo
 from kvseal.kv.spec import KVSpec
 from kvseal.transfer.manifest import KVManifest, PagePayload, Reservation, build_manifest
-from kvseal.transfer.zmq import TransferHeader, TransferReply
+from kvseal.transfer.zmq_wire import TransferHeader, TransferReply
 from kvseal.worker import protocol as P
 from tests.helpers.cards import CARD
 from tests.helpers.fleet import LoopbackFleet, module_fleet

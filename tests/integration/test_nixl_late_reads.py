@@ -29,7 +29,7 @@ from kvseal.kv.spec import KVSpec
 from kvseal.lifecycle import State
 from kvseal.transfer.base import TransferHandle, TransferState, create_transport
 from kvseal.transfer.manifest import KVManifest, PoolPages, Reservation, new_nonce, new_reservation_id
-from kvseal.transfer.zmq import TransferHeader, TransferReply
+from kvseal.transfer.zmq_wire import TransferHeader, TransferReply
 from tests.helpers.kv_peers import PoolSpec, PrefillProcess, decode_worker, pump, reserve, wait_status
 
 pytestmark = pytest.mark.integration

@@ -30,7 +30,8 @@ from kvseal.transfer.manifest import (
     unpack_into,
 )
 from kvseal.transfer.verify import verify
-from kvseal.transfer.zmq import TransferReply, ZmqTransport
+from kvseal.transfer.zmq import ZmqTransport
+from kvseal.transfer.zmq_wire import TransferReply
 
 pytestmark = pytest.mark.integration
 
