@@ -45,12 +45,15 @@ from kvseal.lifecycle import State
 from kvseal.model.tokenizer import Tokenizer
 from kvseal.router.affinity import PrefixAffinity
 from kvseal.router.disagg_request import DEFAULT_TIMEOUTS, DisaggRequest, HandoffTimeouts
+from kvseal.router.pick import fair_candidates
 from kvseal.router.registry import FleetSpec, check_fleet, check_worker, served_window
 from kvseal.router.workers import WorkerClient
 from kvseal.worker import protocol as P
 from kvseal.worker.card import WorkerCard
 
 log = logging.getLogger("kvseal.router")
+
+
 class DisaggBackend:
     def __init__(self, tokenizer: Tokenizer, model_name: str | None, prefill: list[str], decode: list[str],
                  max_model_len: int | None = None, startup_timeout_s: float = 300.0,
@@ -228,17 +231,19 @@ class DisaggBackend:
                 "live_requests": len(self.requests), "ended": dict(self.ended),
                 "routed_by_prefix": self.affinity.routed_by_prefix, "workers": workers}
 
-    def _pick(self, pool: list[WorkerClient], role: str, req: GenerateRequest | None = None) -> WorkerClient:
-        """The least loaded serving worker (ties at random); for prefill with `req`, the one most likely to hold
-        the prompt's prefix in its cache unless that one is much busier (router/affinity.py). None serving:
-        503 with each worker's state and why."""
+    def _pick(self, pool: list[WorkerClient], role: str, req: GenerateRequest) -> WorkerClient:
+        """A serving worker for req: among those the fleet's fairness allows (router/pick.py), for prefill
+        the one most likely to hold the prompt's prefix in its cache unless that one is much busier
+        (router/affinity.py), else the least loaded (ties at random). None serving: 503 with each worker's state
+        and why."""
         live = [w for w in pool if w.alive]
         if not live:
             out = "; ".join(f"{w.endpoint} {w.member.standing.value}" + (f" ({w.member.reason})" if
                             w.member.reason else "") for w in pool)
             raise NoWorkerAvailable(f"no {role} worker is serving right now ({out or 'none configured'}); "
                                     f"retry later")
-        if req is not None:
+        live = fair_candidates(live, req.tenant)
+        if role == "prefill":
             return self.affinity.pick(live, req, live[0].card.kv.page_size)
         least = min(w.inflight for w in live)
         return random.choice([w for w in live if w.inflight == least])
@@ -259,7 +264,7 @@ class DisaggBackend:
             return self._pinned(self.prefills, "prefill", pin[0]) if pin else self._pick(self.prefills, "prefill", req)
 
         def pick_decode() -> WorkerClient:
-            return self._pinned(self.decodes, "decode", pin[1]) if pin else self._pick(self.decodes, "decode")
+            return self._pinned(self.decodes, "decode", pin[1]) if pin else self._pick(self.decodes, "decode", req)
 
         r = DisaggRequest(req, self.timeouts)
         self.requests[req.request_id] = r  # from here on, the workers' connections hand its frames to r

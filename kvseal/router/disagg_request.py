@@ -82,14 +82,14 @@ class DisaggRequest:
         pages. The decode worker is known before the wait: a client that leaves while its request is queued there
         gets it aborted there."""
         self.where = self.prefill = pick_prefill()
-        self.prefill.inflight += 1
+        self.prefill.routed(self.req.tenant)
         for attempt in range(PICK_ATTEMPTS):
             self.where = self.decode = pick_decode()
-            self.decode.inflight += 1
+            self.decode.routed(self.req.tenant)
             self.reservation = await self._reserve(self.decode, last=attempt == PICK_ATTEMPTS - 1)
             if self.reservation is not None:
                 break
-            self.decode.inflight -= 1
+            self.decode.routed(self.req.tenant, -1)
             self.decode = None
         assert self.decode is not None  # the last attempt raises instead of returning None
         self.life.advance(State.RESERVED)
@@ -299,7 +299,7 @@ class DisaggRequest:
         self._streaming = False
         for w in (self.prefill, self.decode):
             if w is not None:
-                w.inflight -= 1
+                w.routed(self.req.tenant, -1)
 
 
 def _finish_reason(final: str, worker: str) -> FinishReason:

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -74,6 +75,7 @@ class WorkerClient:
         self.last_seen = time.monotonic()
         self.last: P.InfoResp | None = None  # its last answer to an info request (None: it never answered)
         self.inflight = 0  # requests routed here and not yet ended: the load used for pairing
+        self.tenant_inflight: Counter[str] = Counter()  # ... per tenant (router/pick.py)
 
     @property
     def name(self) -> str:
@@ -85,6 +87,18 @@ class WorkerClient:
         again before it gets a request, so the last card it sent is that one)."""
         assert self.last is not None, f"{self.name} never answered an info request"
         return self.last.card
+
+    @property
+    def fairness(self) -> str:
+        """How the worker shares itself among tenants (--fairness): "vtc" or "off"."""
+        return self.card.fairness
+
+    def routed(self, tenant: str, n: int = 1) -> None:
+        """A request of `tenant` was routed here (n=1) or ended (n=-1)."""
+        self.inflight += n
+        self.tenant_inflight[tenant] += n
+        if self.tenant_inflight[tenant] <= 0:
+            del self.tenant_inflight[tenant]
 
     def info_json(self) -> dict[str, Any]:
         """Its /info as of its last answer ({} before the first)."""
