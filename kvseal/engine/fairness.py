@@ -24,7 +24,7 @@ compares against.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
@@ -87,9 +87,11 @@ class FairShare:
         book.queue_seconds += waited
         book.scheduled += 1
 
-    def admission_order(self, waiting: Iterable[Sequence]) -> Iterator[Sequence]:
+    def admission_order(self, waiting: Iterable[Sequence], running: Iterable[Sequence] = ()) -> Iterator[Sequence]:
         """The waiting sequences in the order to try them. Lazy: each choice reads the counters as charged by the
-        admissions before it in the same step."""
+        admissions before it in the same step. Between equal counters (a tenant back after a pause is lifted to
+        the lowest one) the tenant with fewer requests `running` goes first: a newcomer is not put behind the
+        tenant that holds the engine by the order of their names."""
         if not self.vtc:
             yield from list(waiting)
             return
@@ -98,22 +100,28 @@ class FairShare:
             queues.setdefault(s.tenant, []).append(s)
         for q in queues.values():
             q.sort(key=lambda s: (s.priority, s.arrival), reverse=True)  # the next one at the end
+        held = Counter(s.tenant for s in running)
         while queues:
-            t = min(queues, key=lambda t: (queues[t][-1].priority_class, self.books[t].counter, t))
+            t = min(queues, key=lambda t: (queues[t][-1].priority_class, self.books[t].counter, held[t], t))
             seq = queues[t].pop()
             if not queues[t]:
                 del queues[t]
+            held[t] += 1
             yield seq
 
-    def pick(self, items: Sequence_[Q], describe: Callable[[Q], tuple[str, int, int, float]]) -> Q:
+    def pick(self, items: Sequence_[Q], describe: Callable[[Q], tuple[str, int, int, float]],
+             held: Mapping[str, int] | None = None) -> Q:
         """The item to serve first of a queue kept outside the scheduler (decode's reservations): off, the first;
-        vtc, as admission_order would. describe(item) -> (tenant, priority class, priority, arrival)."""
+        vtc, as admission_order would. describe(item) -> (tenant, priority class, priority, arrival); held: each
+        tenant's requests in service (the tie-break between equal counters)."""
         if not self.vtc:
             return items[0]
+        held = held or {}
 
-        def key(q: Q) -> tuple[int, float, str, int, float]:
+        def key(q: Q) -> tuple[int, float, int, str, int, float]:
             tenant, cls, priority, arrival = describe(q)
-            return cls, self.books[tenant].counter if tenant in self.books else 0.0, tenant, priority, arrival
+            counter = self.books[tenant].counter if tenant in self.books else 0.0
+            return cls, counter, held.get(tenant, 0), tenant, priority, arrival
 
         return min(items, key=key)
 

@@ -14,7 +14,11 @@ Policy, once per step, under a token budget (who goes first among tenants: engin
      computed, for the logits.
 While more than one tenant competes (vtc), the prompt tokens of a step (chunks, recompute) are capped at
 contended_chunk_tokens for the running and as much again for those admitted: a newcomer waits for a short step,
-and is not kept out of the next one by a running chunk. Decode tokens are not capped.
+and is not kept out of the next one by a running chunk. And when the first request admitted in such a step is of a
+tenant with no prompt running here while another tenant's prompt runs (a newcomer: one chat among a flood of long
+prompts), the step is the newcomer's: the other tenants' prompt chunks sit it out (their pages stay theirs) and
+only its own tenant's requests are admitted, so its first token waits for its own short prompt, not for a chunk of
+another tenant's. Decode tokens are never held back.
 Waiting is not a timeout while the engine makes progress: requests wait in the order above, the queue's length is
 bounded (max_waiting, then 503 at once), and a busy engine frees pages as it finishes requests. Only a sequence
 refused pages at every step for wait_timeout_s while no page at all was freed (nothing can move) ends REJECTED
@@ -82,6 +86,8 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         busy = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
         contended = self.fair.contended(busy, now)
+        # the tenants with a prompt running here (chunks, recompute), whether or not it gets tokens this step
+        prompting = {s.tenant for s in self.running if s.num_tokens - s.num_computed > 1} if contended else set()
         # prompt tokens (chunks, recompute) the running may still take this step; decode tokens are not capped
         chunk = self.cfg.contended_chunk_tokens if contended else budget
         for seq in list(self.running):
@@ -107,10 +113,14 @@ class Scheduler:
         squeezed = bool(preempted)  # pages ran out for the running: admit nothing new this step
         if contended:  # the waiting get a cap of their own: a newcomer is not kept out by a running chunk
             chunk = self.cfg.contended_chunk_tokens
+        lead: str | None = None  # a newcomer's step: see below
+        admitted = 0
         considered: set[int] = set()
-        for seq in self.fair.admission_order(self.waiting):
+        for seq in self.fair.admission_order(self.waiting, self.running):
             if budget == 0 or squeezed or len(self.running) >= self.cfg.max_num_seqs:
                 break
+            if lead is not None and seq.tenant != lead:
+                continue
             considered.add(id(seq))
             n = self._tokens(seq, budget, chunk)
             if n == 0:
@@ -142,6 +152,12 @@ class Scheduler:
             batch.add(seq, n)
             budget -= n
             chunk -= n if n > 1 else 0
+            admitted += 1
+            if admitted == 1 and prompting and seq.tenant not in prompting:
+                lead = seq.tenant
+        if lead is not None:  # the other tenants' running prompt chunks sit out this one short step
+            for s in [s for s, n in zip(batch.seqs, batch.num_new) if s.tenant != lead and n > 1]:
+                self._unbatch(s, batch)
         for seq in self.waiting:
             if id(seq) not in considered:
                 seq.blocked_since = None  # not reached this step: queued behind compute, not refused pages

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -157,8 +157,9 @@ class DecodeWorker(WorkerServer):
         ready = [q for q in self.queue if self._may_reserve(q.request)]
         if not ready:
             return None
+        held = Counter(s.tenant for s in self.engine.seqs.values())  # running, reserved, landing
         return self.engine.scheduler.fair.pick(ready, lambda q: (
-            q.request.tenant, q.request.priority_class, q.request.priority, q.since))
+            q.request.tenant, q.request.priority_class, q.request.priority, q.since), held)
 
     def _grant_queued(self) -> None:
         while (q := self._next_queued()) is not None and self._fits_with_room(q.request):

@@ -103,14 +103,49 @@ def test_prompt_chunks_are_capped_while_two_tenants_compete(tiny: Checkpoint) ->
     e.add_request(GenerateRequest("b0", prompt(100, 3), SHORT, tenant="b"))
     e.step()
     assert e.seqs["a1"].num_computed + e.seqs["b0"].num_computed == 32  # one capped chunk between them
-    e.step()  # a running chunk (of a1 or b0) takes its cap, and the other still gets one: both move
-    assert e.seqs["a1"].num_computed + e.seqs["b0"].num_computed == 96 and e.seqs["b0"].num_computed > 0
+    assert e.seqs["b0"].num_computed == 32  # equal counters: b, holding nothing here, before a (a0 decodes)
+    e.step()  # a1 is a newcomer (a has no prompt running, b has): its step, b0's chunk sits it out
+    assert (e.seqs["a1"].num_computed, e.seqs["b0"].num_computed) == (32, 32)
+    e.step()  # both prompts run: a running chunk (of a1 or b0) takes its cap, and both have moved
+    assert e.seqs["a1"].num_computed + e.seqs["b0"].num_computed == 96
+    assert e.seqs["a1"].num_computed > 0 and e.seqs["b0"].num_computed > 0
     off = Engine(EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=128, contended_chunk_tokens=32,
                                                         fairness="off")), tiny)
     off.add_request(GenerateRequest("a1", prompt(100, 2), SHORT, tenant="a"))
     off.add_request(GenerateRequest("b0", prompt(100, 3), SHORT, tenant="b"))
     off.step()
     assert off.seqs["a1"].num_computed + off.seqs["b0"].num_computed == 128  # off: no cap
+
+
+def test_a_newcomers_short_prompt_gets_a_step_of_its_own_and_the_flood_resumes_after(tiny: Checkpoint) -> None:
+    """A floods long prompts; B's short chat arrives while a chunk of A's runs: the next step is B's whole prompt
+    (and the decode tokens), A's prompt chunk sits it out and resumes the step after. Outputs stay what they are
+    alone, one final each."""
+    e = Engine(EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=128, contended_chunk_tokens=32)), tiny)
+    a_ids = {f"a{i}": prompt(100, 10 + i) for i in range(3)}
+    b_ids = prompt(12, 77)
+    out: dict[str, list[GenerateDelta]] = {}
+    for rid, ids in a_ids.items():
+        e.add_request(GenerateRequest(rid, ids, SHORT, tenant="a"))
+    for _ in range(2):  # a alone: full chunks (100 + 28, then a0's first decode token + 72 + 55)
+        for d in e.step():
+            out.setdefault(d.request_id, []).append(d)
+    a2 = e.seqs["a2"].num_computed
+    assert a2 == 55  # 45 prompt tokens to go
+    e.add_request(GenerateRequest("b0", b_ids, SHORT, tenant="b"))
+    for d in e.step():
+        out.setdefault(d.request_id, []).append(d)
+    assert e.seqs["b0"].num_computed == 12 and len(out["b0"]) == 1  # its whole prompt, and its first token
+    assert e.seqs["a2"].num_computed == a2  # a's chunk sat this step out
+    for d in e.step():
+        out.setdefault(d.request_id, []).append(d)
+    assert e.seqs["a2"].num_computed == a2 + 32  # and resumes at once (capped: both tenants compete)
+    while e.has_work():
+        for d in e.step():
+            out.setdefault(d.request_id, []).append(d)
+    assert_one_final_each(out)
+    for rid, ids in [*a_ids.items(), ("b0", b_ids)]:
+        assert tokens(out[rid]) == run_alone(tiny, ids, SHORT), rid
 
 
 def _cfg(fairness: str) -> EngineConfig:

@@ -125,6 +125,21 @@ def test_a_tenant_back_from_a_pause_banks_no_credit() -> None:
     assert f.books["c"].counter == 1300 and f.books["a"].counter == 1300
 
 
+def test_a_newcomer_lifted_to_the_busy_tenants_counter_goes_first_and_so_does_its_reservation() -> None:
+    f = FairShare("vtc")
+    a_running, a_waiting, b = fake("a", 1.0), fake("a", 2.0), fake("z", 3.0)  # "z": after "a" by name
+    f.activate(a_running, set())
+    f.charge(a_running, 500)
+    f.activate(b, {"a"})  # lifted to a's counter: a tie
+    assert f.books["z"].counter == f.books["a"].counter
+    assert next(f.admission_order([a_waiting, b], [a_running])) is b  # a holds the engine: z, with nothing, first
+    assert next(f.admission_order([a_waiting, b], [])) is a_waiting  # nothing held by either: the name decides
+    describe = lambda q: (q.tenant, q.priority_class, q.priority, q.arrival)  # noqa: E731
+    assert f.pick([a_waiting, b], describe, {"a": 3}) is b  # decode's reservation queue, the same rule
+    f.charge(b, 1)
+    assert next(f.admission_order([a_waiting, b], [a_running])) is a_waiting  # counters first: z got more now
+
+
 def test_kv_share_caps_a_tenants_pages_but_never_stops_it(tiny: Checkpoint) -> None:
     e = engine(tiny, seqs=8, pool_tokens=400)  # 100 pages of 4 tokens; a's share 0.3: 30 pages
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
