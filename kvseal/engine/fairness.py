@@ -109,6 +109,11 @@ class FairShare:
             held[t] += 1
             yield seq
 
+    def least_served(self, tenant: str, others: Iterable[str]) -> bool:
+        """vtc: whether tenant's counter is at most every one of the others' (it is due service before them)."""
+        counter = self.books[tenant].counter
+        return self.vtc and all(counter <= self.books[t].counter for t in others)
+
     def pick(self, items: Sequence_[Q], describe: Callable[[Q], tuple[str, int, int, float]],
              held: Mapping[str, int] | None = None) -> Q:
         """The item to serve first of a queue kept outside the scheduler (decode's reservations): off, the first;

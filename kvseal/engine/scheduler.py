@@ -15,10 +15,10 @@ Policy, once per step, under a token budget (who goes first among tenants: engin
 While more than one tenant competes (vtc), the prompt tokens of a step (chunks, recompute) are capped at
 contended_chunk_tokens for the running and as much again for those admitted: a newcomer waits for a short step,
 and is not kept out of the next one by a running chunk. And when the first request admitted in such a step is of a
-tenant with no prompt running here while another tenant's prompt runs (a newcomer: one chat among a flood of long
-prompts), the step is the newcomer's: the other tenants' prompt chunks sit it out (their pages stay theirs) and
-only its own tenant's requests are admitted, so its first token waits for its own short prompt, not for a chunk of
-another tenant's. Decode tokens are never held back.
+tenant with no prompt running here while another tenant's prompt runs, and it was served no more than they were (a
+newcomer: one chat among a flood of long prompts), the step is the newcomer's: the other tenants' prompt chunks
+sit it out (their pages stay theirs) and only its own tenant's requests are admitted, so its first token waits for
+its own short prompt, not for a chunk of another tenant's. Decode tokens are never held back.
 Waiting is not a timeout while the engine makes progress: requests wait in the order above, the queue's length is
 bounded (max_waiting, then 503 at once), and a busy engine frees pages as it finishes requests. Only a sequence
 refused pages at every step for wait_timeout_s while no page at all was freed (nothing can move) ends REJECTED
@@ -148,13 +148,14 @@ class Scheduler:
                 self.fair.first_scheduled(seq, now - seq.arrival)
                 if self.on_first_scheduled is not None:
                     self.on_first_scheduled(now - seq.arrival)
+            if admitted == 0 and prompting and seq.tenant not in prompting and self.fair.least_served(
+                    seq.tenant, prompting):
+                lead = seq.tenant  # (a tenant over the others' service gets no such step: none starves)
             self.fair.charge(seq, n)
             batch.add(seq, n)
             budget -= n
             chunk -= n if n > 1 else 0
             admitted += 1
-            if admitted == 1 and prompting and seq.tenant not in prompting:
-                lead = seq.tenant
         if lead is not None:  # the other tenants' running prompt chunks sit out this one short step
             for s in [s for s, n in zip(batch.seqs, batch.num_new) if s.tenant != lead and n > 1]:
                 self._unbatch(s, batch)

@@ -148,6 +148,22 @@ def test_a_newcomers_short_prompt_gets_a_step_of_its_own_and_the_flood_resumes_a
         assert tokens(out[rid]) == run_alone(tiny, ids, SHORT), rid
 
 
+def test_a_tenant_that_sends_a_short_request_every_step_does_not_starve_a_long_prompt(tiny: Checkpoint) -> None:
+    """b's requests are newcomers' steps only while b was served no more than a: then a's chunks run again (with
+    a step of its own for every such request of b's, a's prompt would never move)."""
+    e = Engine(EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=128, contended_chunk_tokens=32)), tiny)
+    e.add_request(GenerateRequest("a0", prompt(400, 1), SHORT, tenant="a"))
+    e.step()
+    assert e.seqs["a0"].num_computed == 128  # alone: a full chunk
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for i in range(20):
+        e.add_request(GenerateRequest(f"b{i}", prompt(8, 100 + i), one, tenant="b"))
+        e.step()
+    assert e.seqs["a0"].num_computed >= 128 + 3 * 32  # measured: 256 (four capped chunks in 20 steps)
+    books = e.scheduler.fair.books
+    assert abs(books["a"].counter - books["b"].counter) <= 32 + 8  # about one step's cost apart
+
+
 def _cfg(fairness: str) -> EngineConfig:
     return EngineConfig(model=ModelConfig(max_model_len=64), cache=CacheConfig(page_size=4, pool_tokens=64),
                         scheduler=SchedulerConfig(max_num_batched_tokens=32, fairness=fairness))
