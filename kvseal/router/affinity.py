@@ -24,7 +24,9 @@ from kvseal.kv.prefix_cache import namespace_root, page_keys
 
 class _Worker(Protocol):
     endpoint: str
-    inflight: int
+
+    @property
+    def inflight(self) -> int: ...
 
 
 W = TypeVar("W", bound=_Worker)

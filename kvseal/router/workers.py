@@ -74,8 +74,7 @@ class WorkerClient:
         self._join_lock = asyncio.Lock()
         self.last_seen = time.monotonic()
         self.last: P.InfoResp | None = None  # its last answer to an info request (None: it never answered)
-        self.inflight = 0  # requests routed here and not yet ended: the load used for pairing
-        self.tenant_inflight: Counter[str] = Counter()  # ... per tenant (router/pick.py)
+        self.tenant_inflight: Counter[str] = Counter()  # requests routed here and not yet ended, per tenant
 
     @property
     def name(self) -> str:
@@ -89,13 +88,17 @@ class WorkerClient:
         return self.last.card
 
     @property
+    def inflight(self) -> int:
+        """Requests routed here and not yet ended: the load used for pairing."""
+        return sum(self.tenant_inflight.values())
+
+    @property
     def fairness(self) -> str:
         """How the worker shares itself among tenants (--fairness): "vtc" or "off"."""
         return self.card.fairness
 
     def routed(self, tenant: str, n: int = 1) -> None:
         """A request of `tenant` was routed here (n=1) or ended (n=-1)."""
-        self.inflight += n
         self.tenant_inflight[tenant] += n
         if self.tenant_inflight[tenant] <= 0:
             del self.tenant_inflight[tenant]
