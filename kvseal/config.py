@@ -135,10 +135,11 @@ class TenantPolicy:
 
     weight: float = 1.0  # its share of every engine against the other backlogged tenants (VTC)
     priority_class: int = 0  # lower is served first, across tenants; within a class tenants share by weight
-    max_concurrent: int | None = None  # completion requests in flight at once
+    max_concurrent: int | None = None  # requests in flight at once (every endpoint that does work)
     rpm: int | None = None  # requests per minute
     tpm: int | None = None  # tokens per minute: prompt + max_tokens charged at admission, unused output refunded
     kv_share: float = 1.0  # most of each engine's KV pages its requests may hold when one more is admitted
+    store_mb: float = 64.0  # its stored responses (router/response_store.py): its own partition, in MiB
 
     def __post_init__(self) -> None:
         _need(0 < self.weight <= 1e6, "weight", self.weight, "give a positive number (a share against other "
@@ -149,6 +150,8 @@ class TenantPolicy:
             v = getattr(self, name)
             _need(v is None or 0 < v <= 2**31 - 1, name, v, "give a positive integer, or leave it out for no limit")
         _need(0 < self.kv_share <= 1, "kv_share", self.kv_share, "give a fraction of the KV pool in (0, 1]")
+        _need(0 < self.store_mb <= 1e6, "store_mb", self.store_mb, "give the MiB its stored responses may hold, "
+              "a positive number (default 64)")
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,13 @@ class ServerConfig:
     host: str = opt("127.0.0.1", "address to listen on")
     port: int = opt(8000, "port to listen on")
     max_body_bytes: int = opt(8 * 1024 * 1024, "larger request bodies get 413")
+    tenant_body_bytes: int = opt(64 * 1024 * 1024, "request bodies one tenant may have in the router at once, "
+                                 "summed over its requests in progress; past it, 429 (each tenant its own budget)")
+    text_threads: int = opt(0, "threads that render chat templates and tokenize prompts, shared by the tenants "
+                            "through a fair queue; 0: the CPUs, at least 2", metavar="N")
+    text_threads_per_tenant: int = opt(0, "most of those threads one tenant's prompts may hold at once; 0: half "
+                                       "of them (all of them on a server without --api-keys: one tenant)",
+                                       metavar="N")
     # (SHA-256 of a key, its tenant) from --api-keys; empty: no auth, one tenant. Digests only, never keys.
     api_keys: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)  # digests of the api keys marked `admin`
@@ -170,6 +180,22 @@ class ServerConfig:
         _need({t for t, _ in self.tenants} <= {t for _, t in self.api_keys}, "tenants",
               f"{len(self.tenants)} entries", "give settings only to tenants that have a key in --api-keys")
         _need(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "give a positive size")
+        _need(self.tenant_body_bytes >= self.max_body_bytes, "tenant_body_bytes", self.tenant_body_bytes,
+              f"give at least --max-body-bytes ({self.max_body_bytes}): one whole request must fit")
+        _need(0 <= self.text_threads <= 256, "text_threads", self.text_threads, "give 0 (auto) to 256 threads")
+        _need(0 <= self.text_threads_per_tenant <= self.text_pool_threads, "text_threads_per_tenant",
+              self.text_threads_per_tenant, f"give 0 (auto) to --text-threads ({self.text_pool_threads})")
+
+    @property
+    def text_pool_threads(self) -> int:
+        return self.text_threads or max(2, os.cpu_count() or 1)
+
+    @property
+    def text_threads_each(self) -> int:
+        """The per-tenant cap of the text pool: with one tenant (no keys) it may use every thread."""
+        if self.text_threads_per_tenant:
+            return self.text_threads_per_tenant
+        return self.text_pool_threads if not self.api_keys else max(1, self.text_pool_threads // 2)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ import tokenizers
 
 from kvseal.model.chat_template import compile_chat_template, normalize_messages, render_chat_template
 from kvseal.model.detokenize import IncrementalDecoder
+from kvseal.model.token_bound import longest_token_bytes
 
 if TYPE_CHECKING:
     import jinja2
@@ -69,6 +71,11 @@ class Tokenizer:
             assert self.bos_id is not None  # checked in __init__
             return [self.bos_id, *ids]
         return list(ids)
+
+    @cached_property
+    def longest_token_bytes(self) -> int | None:
+        """Bytes of text one token stands for at most (None: no such bound for this tokenizer)."""
+        return longest_token_bytes(self.backend)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))

@@ -30,10 +30,12 @@ from kvseal.router.http_errors import install_error_handlers
 from kvseal.router.limits import RateLimiter
 from kvseal.router.ratelimit import RateLimits
 from kvseal.router.requestlog import RequestLog
-from kvseal.router.response_store import ResponseStore
+from kvseal.router.response_store import ResponseStore, budget_for
 from kvseal.router.routes import generate, messages, responses, status, tokens
+from kvseal.router.routes.deps import DEFAULT_POLICY
 from kvseal.router.tenants import TenantAuth
 from kvseal.router.tenantview import TenantFigures, new_figures
+from kvseal.router.textpool import TextPool
 
 
 def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
@@ -43,11 +45,16 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
         try:
             yield
         finally:
+            app.state.text_pool.shutdown()
             await backend.stop()
 
     app = FastAPI(title="kvseal", version=__version__, lifespan=lifespan)
     app.state.backend = backend  # the routes read it through routes/deps.py
-    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes)
+    app.state.text_pool = TextPool(cfg.text_pool_threads, cfg.text_threads_each)  # router/text.py
+    backend.tokenizer.longest_token_bytes  # noqa: B018 (measured once here, not on a request's time)
+    app.state.body_held = {}  # tenant -> bytes of its bodies in requests in progress
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes, tenant_bytes=cfg.tenant_body_bytes,
+                       held=app.state.body_held)
     app.state.tenant_figures = new_figures()  # each tenant's own requests, for its /info (router/tenantview.py)
     app.add_middleware(TenantFigures, figures=app.state.tenant_figures)  # inside TenantAuth: knows the tenant
     app.state.tenant_policies = dict(cfg.tenants)  # weight and class for each request (routes/generate.py)
@@ -57,7 +64,8 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
     app.add_middleware(AnthropicErrors)  # outside every part that may write an error: one shape per route
     app.add_middleware(RequestLog)  # added last: outermost, it sees every response
     install_error_handlers(app)
-    app.state.responses = ResponseStore()  # the Responses API's stored responses, each under its tenant
+    policies = app.state.tenant_policies  # the Responses API's stored responses: a partition per tenant
+    app.state.responses = ResponseStore(lambda t: budget_for(policies.get(t, DEFAULT_POLICY)))
     for module in (status, generate, tokens, messages, responses):
         app.include_router(module.router)
     return app

@@ -4,7 +4,7 @@ Each tenant with a limit in the tenants file (config.TenantPolicy) has:
 - a requests bucket (rpm) and a tokens bucket (tpm): token buckets that hold at most a minute's worth and refill
   continuously at limit/60 per second, so a burst may use the whole minute and then one request (or token) comes
   back every 60/limit seconds;
-- a count of its completion requests in flight (max_concurrent).
+- a count of its requests in flight (max_concurrent): every endpoint that does work (router/ratelimit.py).
 A request takes one from the requests bucket and a place in flight when it arrives (before its body is read),
 and prompt + n * max_tokens from the tokens bucket once its prompt is tokenized, before any worker sees it; when
 it ends, the output it did not produce goes back to the tokens bucket. Invariant: a bucket's level stays in

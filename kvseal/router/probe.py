@@ -18,7 +18,7 @@ from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.errors import InvalidRequest, KvsealError
 from kvseal.router.backend import Backend
 from kvseal.router.tenantview import require_admin
-from kvseal.router.text import encode_text
+from kvseal.router.text import encode
 
 PROBE_PROMPT = "The capital of France is"
 PROBE_TOKENS = 8
@@ -30,7 +30,7 @@ def install_probe(app: FastAPI, backend: Backend) -> None:
         require_admin(request, "/doctor/probe")
         if (prefill is None) != (decode is None):
             raise InvalidRequest("give both prefill and decode endpoints, or neither", param="prefill")
-        ids = await encode_text(backend.tokenizer, PROBE_PROMPT, add_special_tokens=True)
+        ids = encode(backend.tokenizer, PROBE_PROMPT, add_special_tokens=True)  # five words: no thread needed
         req = GenerateRequest(f"probe-{uuid.uuid4().hex}", ids,
                               SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0, ignore_eos=True),
                               tenant=str(getattr(request.state, "tenant", "")))

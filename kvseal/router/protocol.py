@@ -164,7 +164,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
-    tools: list[ToolDef] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None  # OpenAI's bound
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 

@@ -1,5 +1,8 @@
-"""ASGI middleware, inside TenantAuth: each completion request is admitted against its tenant's limits
-(router/limits.py) before its body is read, and every answer to it carries the tenant's x-ratelimit-* headers.
+"""ASGI middleware, inside TenantAuth: every request that does work (any path but the few that only read what the
+server is: STATUS_PATHS) is admitted against its tenant's max_concurrent and rpm (router/limits.py) before its body
+is read, and every answer to it carries the tenant's x-ratelimit-* headers. /tokenize, /detokenize,
+count_tokens and stored-response lookups count as requests exactly as completions do: a tenant at its limit cannot
+go on using the router's threads through them (seal 11).
 
 Over max_concurrent or rpm: 429 here, and nothing further runs. Over tpm: the route (routes/generate.py) charges
 the tokens once the prompt is tokenized and raises RateLimited, before any worker sees the request. The lease is
@@ -12,7 +15,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvseal.errors import RateLimited
 from kvseal.router.http_errors import error_response
 from kvseal.router.limits import RateLimiter
-from kvseal.router.tenantview import GENERATE_PATHS
+
+# what the server is and whether it is up: read-only, cheap, needed by health checks and clients' start-up
+STATUS_PATHS = frozenset({"/health", "/info", "/v1/models", "/version", "/metrics"})
 
 
 class RateLimits:
@@ -20,7 +25,7 @@ class RateLimits:
         self.app, self.limiter = app, limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") not in GENERATE_PATHS or scope.get("method") != "POST":
+        if scope["type"] != "http" or scope.get("path") in STATUS_PATHS:
             await self.app(scope, receive, send)
             return
         state = scope.setdefault("state", {})

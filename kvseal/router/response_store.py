@@ -1,9 +1,12 @@
-"""Stored responses of the Responses API, for previous_response_id and GET /v1/responses/{id}.
+"""Stored responses of the Responses API, for previous_response_id and GET /v1/responses/{id}: a partition per tenant.
 
 Each entry belongs to the tenant that created it: a lookup is by (tenant, id), so another tenant's id is exactly
-as absent as one that never existed (404 either way; nothing tells them apart). The store is bounded: at most
-`max_entries` entries and `max_bytes` of their conversations and bodies (least recently used leave first), and
-an entry older than `ttl_s` is gone.
+as absent as one that never existed (404 either way; nothing tells them apart).
+
+Each tenant has its own budget (`budget_of(tenant)`: at most `entries` entries and `bytes` of their conversations
+and bodies; the tenants file's `store_mb=` sets the bytes) and its own least-recently-used order. A tenant's write
+only ever evicts that tenant's own entries (seal 11): another tenant can neither flush them nor, by filling its own
+partition, learn how large they are. An entry older than `ttl_s` is gone, whoever it belongs to.
 """
 
 from __future__ import annotations
@@ -12,12 +15,19 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-MAX_ENTRIES = 4096
-MAX_BYTES = 256 * 1024 * 1024
+from kvseal.config import TenantPolicy
+
+ENTRIES = 1024  # per tenant
 TTL_S = 3600.0
+
+
+@dataclass(frozen=True)
+class StoreBudget:
+    entries: int
+    bytes: int
 
 
 @dataclass(frozen=True)
@@ -28,45 +38,80 @@ class Stored:
     size: int
 
 
-class ResponseStore:
-    def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES, ttl_s: float = TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.max_entries, self.max_bytes, self.ttl_s, self.clock = max_entries, max_bytes, ttl_s, clock
-        self._entries: OrderedDict[tuple[str, str], Stored] = OrderedDict()
-        self.bytes = 0
+Key = tuple[str, str]  # (tenant, response id)
 
-    def __len__(self) -> int:
-        return len(self._entries)
 
-    def put(self, tenant: str, rid: str, conversation: list[dict[str, Any]], body: dict[str, Any]) -> None:
-        size = len(json.dumps([conversation, body], ensure_ascii=False).encode())
-        if size > self.max_bytes:
-            return  # larger than the whole store: never kept (a later lookup is a 404)
-        self._drop((tenant, rid))
-        self._entries[(tenant, rid)] = Stored(conversation, body, self.clock(), size)
-        self.bytes += size
-        self._expire()
-        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
-            self._drop(next(iter(self._entries)))
+@dataclass
+class _Partition:
+    entries: OrderedDict[Key, Stored] = field(default_factory=OrderedDict)  # least recently used first
+    bytes: int = 0
 
-    def get(self, tenant: str, rid: str) -> Stored | None:
-        self._expire()
-        found = self._entries.get((tenant, rid))
-        if found is not None:
-            self._entries.move_to_end((tenant, rid))
-        return found
-
-    def delete(self, tenant: str, rid: str) -> bool:
-        self._expire()
-        return self._drop((tenant, rid))
-
-    def _drop(self, key: tuple[str, str]) -> bool:
-        gone = self._entries.pop(key, None)
+    def drop(self, key: Key) -> bool:
+        gone = self.entries.pop(key, None)
         if gone is not None:
             self.bytes -= gone.size
         return gone is not None
 
+
+def budget_for(policy: TenantPolicy) -> StoreBudget:
+    return StoreBudget(ENTRIES, int(policy.store_mb * 2**20))
+
+
+def entry_size(conversation: list[dict[str, Any]], body: dict[str, Any]) -> int:
+    """What an entry counts against its tenant's bytes."""
+    return len(json.dumps([conversation, body], ensure_ascii=False).encode())
+
+
+class ResponseStore:
+    def __init__(self, budget_of: Callable[[str], StoreBudget], ttl_s: float = TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.budget_of, self.ttl_s, self.clock = budget_of, ttl_s, clock
+        self._parts: dict[str, _Partition] = {}  # partition_of(tenant) -> its entries
+
+    def __len__(self) -> int:
+        return sum(len(p.entries) for p in self._parts.values())
+
+    def bytes_of(self, tenant: str) -> int:
+        part = self._parts.get(partition_of(tenant))
+        return 0 if part is None else part.bytes
+
+    def put(self, tenant: str, rid: str, conversation: list[dict[str, Any]], body: dict[str, Any]) -> bool:
+        """Keep an entry, evicting the tenant's own least recently used ones to fit; False when it is larger than
+        the tenant's whole budget (never kept: a later lookup is a 404)."""
+        size, budget = entry_size(conversation, body), self.budget_of(tenant)
+        if size > budget.bytes:
+            return False
+        self._expire()
+        part = self._parts.setdefault(partition_of(tenant), _Partition())
+        part.drop((tenant, rid))
+        part.entries[(tenant, rid)] = Stored(conversation, body, self.clock(), size)
+        part.bytes += size
+        while len(part.entries) > budget.entries or part.bytes > budget.bytes:
+            part.drop(next(iter(part.entries)))
+        return True
+
+    def get(self, tenant: str, rid: str) -> Stored | None:
+        self._expire()
+        part = self._parts.get(partition_of(tenant))
+        found = None if part is None else part.entries.get((tenant, rid))
+        if found is not None and part is not None:
+            part.entries.move_to_end((tenant, rid))
+        return found
+
+    def delete(self, tenant: str, rid: str) -> bool:
+        self._expire()
+        part = self._parts.get(partition_of(tenant))
+        return part is not None and part.drop((tenant, rid))
+
     def _expire(self) -> None:
         cutoff = self.clock() - self.ttl_s
-        for key in [k for k, v in self._entries.items() if v.created <= cutoff]:
-            self._drop(key)
+        for name, part in list(self._parts.items()):
+            for key in [k for k, v in part.entries.items() if v.created <= cutoff]:
+                part.drop(key)
+            if not part.entries:
+                del self._parts[name]
+
+
+def partition_of(tenant: str) -> str:
+    """Whose budget and LRU order an entry counts in: its own tenant's, never a pool shared with others."""
+    return tenant

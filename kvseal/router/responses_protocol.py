@@ -16,6 +16,10 @@ from kvseal.router.protocol import _I32, Strict, template_arguments
 from kvseal.router.tools.plan import Function
 
 _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+# OpenAI's bounds: metadata is stored with the response and echoed, never tokenized, so never charged to tpm
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                     Field(max_length=16)]
+MAX_TOOLS = 128
 
 
 class InputText(Strict):
@@ -81,7 +85,7 @@ class ResponsesRequest(Strict):
     input: str | Annotated[list[Item], Field(min_length=1)]
     instructions: str | None = None
     previous_response_id: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
     max_output_tokens: Annotated[int, Field(ge=1, le=_I32)] | None = None
@@ -89,7 +93,7 @@ class ResponsesRequest(Strict):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     stream: bool = False
     store: bool = True
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     text: TextConfig | None = None
     truncation: Literal["disabled"] | None = None
     user: str | None = None

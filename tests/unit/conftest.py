@@ -35,6 +35,7 @@ class FakeTokenizer:
     add_bos = False
     chat_template = bos_token = eos_token = None
     backend = _FakeBackend()
+    longest_token_bytes = 4  # one character a token: at most 4 bytes of UTF-8
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(ord("a") + i % 26) for i in ids if not (skip_special_tokens and i in self.eos_ids))

@@ -43,7 +43,7 @@ def run(parts: list[bytes], headers: list[tuple[bytes, bytes]] | None = None) ->
         sent.append(msg)
 
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers or []}
-    asyncio.run(BodyLimit(app_that_reads_the_body, LIMIT)(scope, receive, send))
+    asyncio.run(BodyLimit(app_that_reads_the_body, LIMIT, 10 * LIMIT, {})(scope, receive, send))
     start, body = sent[0], b"".join(m.get("body", b"") for m in sent[1:])
     return start["status"], json.loads(body) if start["status"] != 200 else {}, read
 

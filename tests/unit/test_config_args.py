@@ -68,7 +68,8 @@ def test_every_engine_setting_is_a_field_with_its_flag_and_help() -> None:
             for f in flag_fields(cls):
                 assert helps.get(dest(f)) == f.metadata["cli"]["help"], (command, f.name)
     # the server's flags too (its keys come from the --api-keys file, not flags of their own)
-    assert {f.name for f in flag_fields(ServerConfig)} == {"host", "port", "max_body_bytes"}
+    assert {f.name for f in flag_fields(ServerConfig)} == {"host", "port", "max_body_bytes", "tenant_body_bytes",
+                                                          "text_threads", "text_threads_per_tenant"}
 
 
 @pytest.mark.parametrize("command", ["serve", "prefill", "decode"])

@@ -134,7 +134,7 @@ def test_a_newcomer_lifted_to_the_busy_tenants_counter_goes_first_and_so_does_it
     assert f.books["z"].counter == f.books["a"].counter
     assert next(f.admission_order([a_waiting, b], [a_running])) is b  # a holds the engine: z, with nothing, first
     assert next(f.admission_order([a_waiting, b], [])) is a_waiting  # nothing held by either: the name decides
-    describe = lambda q: (q.tenant, q.priority_class, q.priority, q.arrival)  # noqa: E731
+    describe = lambda q: (q.tenant, q.priority_class, q.priority, q.arrival)
     assert f.pick([a_waiting, b], describe, {"a": 3}) is b  # decode's reservation queue, the same rule
     f.charge(b, 1)
     assert next(f.admission_order([a_waiting, b], [a_running])) is a_waiting  # counters first: z got more now

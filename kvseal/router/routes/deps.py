@@ -7,6 +7,7 @@ from fastapi import Request
 from kvseal.config import TenantPolicy
 from kvseal.errors import ModelNotFound
 from kvseal.router.backend import Backend
+from kvseal.router.text import PromptText
 
 
 def backend_of(request: Request) -> Backend:
@@ -25,6 +26,12 @@ def policy_of(request: Request) -> TenantPolicy:
 
 
 DEFAULT_POLICY = TenantPolicy()
+
+
+def prompt_text(request: Request) -> PromptText:
+    """The caller's way to render and tokenize: its tenant's turn on the app's text pool (router/textpool.py)."""
+    backend = backend_of(request)
+    return PromptText(backend.tokenizer, request.app.state.text_pool, tenant_of(request), backend.context_window)
 
 
 def check_model(backend: Backend, name: str | None) -> None:

@@ -22,21 +22,11 @@ from kvseal.router.limits import Lease, RateLimiter
 from kvseal.router.openai_format import ResponseBuilder
 from kvseal.router.protocol import ChatCompletionRequest, CompletionRequest, message_dicts
 from kvseal.router.requestlog import trace_of
-from kvseal.router.routes.deps import backend_of, check_model, policy_of, tenant_of
-from kvseal.router.text import encode_text, render_chat
+from kvseal.router.routes.deps import backend_of, check_model, policy_of, prompt_text, tenant_of
+from kvseal.router.text import PromptText
 from kvseal.router.tools.plan import Function, ToolPlan, plan_tools
 
 router = APIRouter()
-
-
-async def encode(backend: Backend, text: str, param: str, add_special_tokens: bool) -> list[int]:
-    """Token ids of `text` (a rendered chat: param "messages", add_special_tokens False; a prompt: "prompt")."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidRequest(f"the {param} are not valid UTF-8 text (a lone surrogate at position {exc.start})",
-                             param=param) from None
-    return await encode_text(backend.tokenizer, text, add_special_tokens=add_special_tokens)
 
 
 def tool_plan(backend: Backend, body: ChatCompletionRequest) -> ToolPlan | None:
@@ -51,26 +41,26 @@ def tool_plan(backend: Backend, body: ChatCompletionRequest) -> ToolPlan | None:
     return plan
 
 
-async def chat_prompt(backend: Backend, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
+async def chat_prompt(texts: PromptText, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
     messages = message_dicts(body.messages)
     try:
-        text = await render_chat(backend.tokenizer, messages, body.add_generation_prompt,
-                                 plan.template_tools if plan is not None else None)
+        text = await texts.render(messages, body.add_generation_prompt,
+                                  plan.template_tools if plan is not None else None)
     except ValueError as exc:
         raise InvalidRequest(f"messages: {exc}", param="messages") from exc
     if plan is not None:
         text += plan.prompt_suffix  # a forced call: the prompt opens it, the grammar writes it
-    return await encode(backend, text, "messages", add_special_tokens=False)
+    return await texts.encode(text, "messages", add_special_tokens=False)
 
 
-async def completion_prompt(backend: Backend, body: CompletionRequest) -> list[int]:
+async def completion_prompt(backend: Backend, texts: PromptText, body: CompletionRequest) -> list[int]:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
             raise InvalidRequest("only one prompt per request is supported", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return await encode(backend, prompt, "prompt", add_special_tokens=True)
+        return await texts.encode(prompt, "prompt", add_special_tokens=True)
     ids = [int(t) for t in prompt]
     if any(t >= backend.tokenizer.vocab_size for t in ids):
         raise InvalidRequest("a prompt token id is outside the vocabulary", param="prompt")
@@ -102,7 +92,7 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Any:
     backend = backend_of(request)
     check_model(backend, body.model)
     plan = tool_plan(backend, body)
-    ids = await chat_prompt(backend, body, plan)
+    ids = await chat_prompt(prompt_text(request), body, plan)
     top = (body.top_logprobs or 0) if body.logprobs else None
     return await run(request, body, ids, body.max_completion_tokens or body.max_tokens, top, chat=True, plan=plan)
 
@@ -111,7 +101,7 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Any:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     backend = backend_of(request)
     check_model(backend, body.model)
-    ids = await completion_prompt(backend, body)
+    ids = await completion_prompt(backend, prompt_text(request), body)
     return await run(request, body, ids, body.max_tokens, body.logprobs, chat=False)
 
 

@@ -15,32 +15,32 @@ from kvseal.router import respond
 from kvseal.router.anthropic_format import MessagesStream, message_id, whole_message
 from kvseal.router.anthropic_protocol import CountTokensRequest, MessagesRequest
 from kvseal.router.backend import Backend
-from kvseal.router.routes.deps import backend_of, check_model
-from kvseal.router.routes.generate import budget, encode, fan_out
-from kvseal.router.text import render_chat
+from kvseal.router.routes.deps import backend_of, check_model, prompt_text
+from kvseal.router.routes.generate import budget, fan_out
+from kvseal.router.text import PromptText
 from kvseal.router.tools.plan import ToolPlan, plan_tools
 
 router = APIRouter()
 
 
-async def prompt_of(backend: Backend, body: CountTokensRequest) -> tuple[list[int], ToolPlan | None]:
+async def prompt_of(backend: Backend, texts: PromptText, body: CountTokensRequest
+                    ) -> tuple[list[int], ToolPlan | None]:
     plan = plan_tools(backend.tokenizer.chat_template, body.functions(), body.choice(), body.parallel,
                       has_response_format=False)
     try:
-        text = await render_chat(backend.tokenizer, body.template_messages(), True,
-                                 plan.template_tools if plan is not None else None)
+        text = await texts.render(body.template_messages(), True, plan.template_tools if plan is not None else None)
     except ValueError as exc:
         raise InvalidRequest(f"messages: {exc}", param="messages") from exc
     if plan is not None:
         text += plan.prompt_suffix
-    return await encode(backend, text, "messages", add_special_tokens=False), plan
+    return await texts.encode(text, "messages", add_special_tokens=False), plan
 
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request) -> Any:
     backend = backend_of(request)
     check_model(backend, body.model)
-    ids, plan = await prompt_of(backend, body)
+    ids, plan = await prompt_of(backend, prompt_text(request), body)
     stops = tuple(body.stop_sequences or ())
     params = SamplingParams(
         max_tokens=budget(backend, ids, body.max_tokens, "max_tokens"),
@@ -66,5 +66,5 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
 async def count_tokens(body: CountTokensRequest, request: Request) -> Any:
     backend = backend_of(request)
     check_model(backend, body.model)
-    ids, _ = await prompt_of(backend, body)
+    ids, _ = await prompt_of(backend, prompt_text(request), body)
     return {"input_tokens": len(ids)}

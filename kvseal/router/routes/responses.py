@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from kvseal.engine.messages import SamplingParams
 from kvseal.errors import InvalidRequest, NotFound
 from kvseal.router import respond
-from kvseal.router.response_store import ResponseStore
+from kvseal.router.response_store import ResponseStore, entry_size
 from kvseal.router.responses_format import (
     ResponsesStream,
     Shell,
@@ -23,9 +23,8 @@ from kvseal.router.responses_format import (
     status_of,
 )
 from kvseal.router.responses_protocol import ResponsesRequest
-from kvseal.router.routes.deps import backend_of, check_model, tenant_of
-from kvseal.router.routes.generate import budget, encode, fan_out
-from kvseal.router.text import render_chat
+from kvseal.router.routes.deps import backend_of, check_model, prompt_text, tenant_of
+from kvseal.router.routes.generate import budget, fan_out
 from kvseal.router.tools.calls import Text
 from kvseal.router.tools.plan import plan_tools
 
@@ -53,9 +52,20 @@ def settings_of(body: ResponsesRequest) -> dict[str, Any]:
             "truncation": "disabled", "metadata": body.metadata or {}, "store": body.store, "user": body.user}
 
 
+def fits(store: ResponseStore, tenant: str, conversation: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+    """With store: true, a conversation that alone is over the tenant's stored-response budget is refused before
+    any work: its answer could never be kept, and nothing else of the tenant's would survive trying."""
+    need, cap = entry_size(conversation, settings), store.budget_of(tenant).bytes
+    if need > cap:
+        raise InvalidRequest(f"store: this conversation is already {need} bytes, more than this key's stored "
+                             f"responses may hold ({cap} bytes); send store: false, or start a shorter "
+                             f"conversation", param="store")
+
+
 @router.post("/v1/responses")
 async def create(body: ResponsesRequest, request: Request) -> Any:
     backend, tenant, store = backend_of(request), tenant_of(request), store_of(request)
+    texts = prompt_text(request)
     check_model(backend, body.model)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
@@ -64,16 +74,17 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
             raise _missing(body.previous_response_id, "previous_response_id")
         history = prev.conversation
     conversation = history + body.input_messages()
+    if body.store:
+        fits(store, tenant, conversation, settings_of(body))
     plan = plan_tools(backend.tokenizer.chat_template, body.functions(), body.choice(), body.parallel_tool_calls,
                       has_response_format=False)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     try:
-        text = await render_chat(backend.tokenizer, system + conversation, True,
-                                 plan.template_tools if plan is not None else None)
+        text = await texts.render(system + conversation, True, plan.template_tools if plan is not None else None)
     except ValueError as exc:
         raise InvalidRequest(f"input: {exc}", param="input") from exc
-    ids = await encode(backend, text + (plan.prompt_suffix if plan is not None else ""), "input",
-                       add_special_tokens=False)
+    ids = await texts.encode(text + (plan.prompt_suffix if plan is not None else ""), "input",
+                             add_special_tokens=False)
     params = SamplingParams(
         max_tokens=budget(backend, ids, body.max_output_tokens, "max_output_tokens"),
         temperature=1.0 if body.temperature is None else body.temperature,
