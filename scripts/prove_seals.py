@@ -258,6 +258,20 @@ MUTATIONS = [
      "    if not is_loopback(host):",
      "    if False:",
      ["tests/unit/test_fleet_keys.py"], False),
+    ("9 a worker's metrics port names no tenant to a scrape without the metrics token", "kvseal/metrics/token.py",
+     "        if not authorization:\n            return public(environ, start_response)",
+     "        if not authorization:\n            return full(environ, start_response)",
+     ["tests/unit/test_metrics_token.py::test_a_scrape_without_a_header_names_no_tenant_but_keeps_the_fleet_level_families"],
+     False),
+    ("9 the fleet-level metrics collector yields no per-tenant family (issue 30)", "kvseal/metrics/engine.py",
+     '        info = InfoMetricFamily("kvseal:worker",',
+     '        yield from tenant_families(e)\n        info = InfoMetricFamily("kvseal:worker",',
+     ["tests/unit/test_metrics_token.py::test_a_scrape_without_a_header_names_no_tenant_but_keeps_the_fleet_level_families"],
+     False),
+    ("9 only the metrics token unlocks a worker's per-tenant metrics", "kvseal/metrics/token.py",
+     "and hmac.compare_digest(given, sha256)",
+     "and bool(given)",
+     ["tests/unit/test_metrics_token.py::test_a_wrong_token_gets_401_and_no_figures"], False),
 ]
 
 
