@@ -20,6 +20,7 @@ from kvseal.commands import (
 )
 from kvseal.config import LedgerConfig, ModelConfig, ServerConfig
 from kvseal.config_args import add_config_args, add_engine_args
+from kvseal.metrics.token import add_metrics_token_arg
 
 
 def add_log_level_arg(p: argparse.ArgumentParser) -> None:
@@ -106,6 +107,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                        help="CPU threads per decode worker (default: as --prefill-threads)")
     add_fleet_port_args(serve)
     add_fleet_key_args(serve, serve=True)
+    add_metrics_token_arg(serve, serve=True)
     add_kv_channel_arg(serve)
     add_kv_transport_arg(serve)
     add_test_faults_arg(serve)
@@ -127,6 +129,7 @@ def _worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], rol
     w.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus /metrics on this port of --host (0: any free port, shown in the log and "
                         "in /info as metrics_endpoint; -1: none)")
+    add_metrics_token_arg(w)
     w.add_argument("--advertise-host", default=None,
                    help="the address others connect to: the router's to the control port, and for a decode worker "
                         "prefill's to the KV port (default: --host and --kv-host; give the host's name or address "

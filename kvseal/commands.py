@@ -18,6 +18,7 @@ from kvseal.auth.options import member_keys, peer
 from kvseal.config import ServerConfig
 from kvseal.config_args import engine_config, ledger_path
 from kvseal.errors import KvsealError
+from kvseal.metrics.token import token_sha256
 
 if TYPE_CHECKING:
     from kvseal.auth.keys import MemberKeys
@@ -60,7 +61,8 @@ def cmd_worker(a: argparse.Namespace) -> int:
         role=a.command, engine=engine_config(a), host=a.host, port=a.port, threads=a.threads,
         log_level=a.log_level, test_faults=a.test_faults, drain_timeout_s=a.drain_timeout,
         router=router, advertise_host=a.advertise_host, keys=keys, router_key=router_key,
-        metrics_port=a.metrics_port, kv_transport=a.kv_transport,
+        metrics_port=a.metrics_port, metrics_token_sha256=token_sha256(a.metrics_token_file),
+        kv_transport=a.kv_transport,
         **({"transfer_timeout_s": a.transfer_timeout} if a.command == "prefill" else
            {"kv_host": a.kv_host, "kv_port": a.kv_port, "reservation_timeout_s": a.reservation_timeout,
             "kv_channel": a.kv_channel})))
@@ -120,7 +122,7 @@ def serve_http(backend: Any, scfg: ServerConfig, log_level: str, engine: Engine 
     figures when it runs in this process) and /doctor/probe, served until SIGTERM or SIGINT."""
     import uvicorn
 
-    from kvseal.metrics.engine import EngineCollector, WorkerMetrics
+    from kvseal.metrics.engine import EngineCollector, TenantCollector, WorkerMetrics
     from kvseal.metrics.router import MeteredBackend, RouterMetrics
     from kvseal.metrics.router import install as install_metrics
     from kvseal.router.api import build_app
@@ -129,6 +131,7 @@ def serve_http(backend: Any, scfg: ServerConfig, log_level: str, engine: Engine 
     metrics = RouterMetrics(backend)
     if engine is not None:
         WorkerMetrics(EngineCollector(engine, labels={"endpoint": f"{scfg.host}:{scfg.port}"}), metrics.registry)
+        metrics.registry.register(TenantCollector(engine))  # this /metrics is admin keys' only: tenants may show
     app = build_app(MeteredBackend(backend, metrics), scfg)
     install_metrics(app, metrics)
     install_probe(app, backend)
@@ -209,7 +212,8 @@ def worker_specs(a: argparse.Namespace, cores: int) -> tuple[WorkerSpec, WorkerS
     prefill_cfg = cfg if a.prefill_kv_pool_tokens is None else dataclasses.replace(
         cfg, cache=dataclasses.replace(cfg.cache, pool_tokens=a.prefill_kv_pool_tokens, pool_bytes=None))
     p_threads, d_threads = worker_threads(a, cores)
-    common = {"log_level": a.log_level, "test_faults": a.test_faults, "kv_transport": a.kv_transport}
+    common = {"log_level": a.log_level, "test_faults": a.test_faults, "kv_transport": a.kv_transport,
+              "metrics_token_sha256": token_sha256(a.metrics_token_file)}
     return (WorkerSpec(role="prefill", engine=prefill_cfg, threads=p_threads, **common),
             WorkerSpec(role="decode", engine=cfg, threads=d_threads, kv_channel=a.kv_channel, **common))
 
@@ -228,6 +232,10 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
     from kvseal.engine.engine import Engine
     from kvseal.worker.unified import UnifiedBackend
 
+    if a.metrics_token_file is not None:
+        raise ValueError(f"invalid --metrics-token-file={a.metrics_token_file!r} with --unified: that server has no "
+                         f"worker metrics port (its engine's per-tenant figures are on /metrics, for admin keys); "
+                         f"drop the flag, or serve without --unified")
     cfg, scfg, template = engine_config(a), server_config(a), chat_template(a)
     if a.threads is not None:
         import torch

@@ -285,6 +285,20 @@ MUTATIONS = [
      ["tests/unit/test_response_store.py::test_one_tenant_filling_its_partition_never_evicts_another_tenants_entry",
       "tests/unit/test_response_store.py::test_another_tenants_write_does_not_reveal_its_size_through_evictions"],
      False),
+    ("11 a worker's metrics port names no tenant to a scrape without the metrics token", "kvseal/metrics/token.py",
+     "        if not authorization:\n            return public(environ, start_response)",
+     "        if not authorization:\n            return full(environ, start_response)",
+     ["tests/unit/test_metrics_token.py::test_a_scrape_without_a_header_names_no_tenant_but_keeps_the_fleet_level_families"],
+     False),
+    ("11 the fleet-level metrics collector yields no per-tenant family", "kvseal/metrics/engine.py",
+     '        info = InfoMetricFamily("kvseal:worker",',
+     '        yield from tenant_families(e)\n        info = InfoMetricFamily("kvseal:worker",',
+     ["tests/unit/test_metrics_token.py::test_a_scrape_without_a_header_names_no_tenant_but_keeps_the_fleet_level_families"],
+     False),
+    ("11 only the metrics token unlocks a worker's per-tenant metrics", "kvseal/metrics/token.py",
+     "and hmac.compare_digest(given, sha256)",
+     "and bool(given)",
+     ["tests/unit/test_metrics_token.py::test_a_wrong_token_gets_401_and_no_figures"], False),
 ]
 
 

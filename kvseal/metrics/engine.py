@@ -1,5 +1,6 @@
 """A worker's metrics: its engine's figures read at scrape time (no cost on the step), plus the two histograms the
-worker observes as things happen (queue time, KV transfer time). Served on the worker's --metrics-port.
+worker observes as things happen (queue time, KV transfer time). Served on the worker's --metrics-port: the
+per-tenant families (the only ones that name a tenant) only to a scrape with the metrics token (metrics/token.py).
 
     kvseal:num_requests_running / _waiting      gauges (vLLM's meaning; decode counts its reservation queue too)
     kvseal:kv_cache_usage_perc                  1 - free pages / pool pages (0..1)
@@ -11,7 +12,9 @@ worker observes as things happen (queue time, KV transfer time). Served on the w
     kvseal:kv_transfers_total{result}           acked / refused
     kvseal:kv_transfer_seconds                  prefill: sending a handoff to decode's acknowledgement
     kvseal:tenant_{prefill,decode}_tokens_total{tenant}, _queue_seconds_total, _scheduled_requests_total,
-    kvseal:tenant_virtual_tokens, _kv_pages, _requests_running, _requests_waiting   per tenant (engine/fairness.py)
+    kvseal:tenant_virtual_tokens, _kv_pages, _requests_running, _requests_waiting   per tenant (engine/fairness.py;
+                                                TenantCollector: the metrics token only, or admin keys under
+                                                `serve --unified`)
     kvseal:prefix_cache_hit_tokens_total, kvseal:cached_pages, kvseal:frames_refused_total, kvseal:worker_info
     kvseal:kv_reads_in_flight, _reads_overdue, _read_pages_overdue, _quarantined_pages   gauges (decode, NIXL):
                                                 reads whose pages are claimed, those past their deadline and their
@@ -27,11 +30,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from kvseal.engine.engine import Engine
+from kvseal.metrics.token import gated, serve_wsgi
 
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
@@ -49,7 +53,8 @@ KV_FIGURES = {  # Transport.figures() (and decode's quarantine) exported as gaug
 
 
 class EngineCollector(Collector):
-    """Reads `engine` (and the worker's `counters`, `queued()`, `verification_failures`) at each scrape."""
+    """Reads `engine` (and the worker's `counters`, `queued()`, `verification_failures`) at each scrape.
+    Invariant: no family it yields names a tenant (any scrape of a worker's port sees them)."""
 
     def __init__(self, engine: Engine, counters: dict[str, int] | None = None,
                  verification_failures: dict[str, int] | None = None, queued: Callable[[], int] = lambda: 0,
@@ -102,7 +107,6 @@ class EngineCollector(Collector):
         for key, doc in KV_FIGURES.items():
             if key in figures:
                 yield GaugeMetricFamily(f"kvseal:{key}", doc, value=figures[key])
-        yield from tenant_families(e)
         info = InfoMetricFamily("kvseal:worker", "What this worker is (the fleet check compares these)")
         info.add_metric([], self.identity)
         yield info
@@ -135,8 +139,19 @@ def tenant_families(e: Engine) -> Iterator[Any]:
         yield fam
 
 
+class TenantCollector(Collector):
+    """Every tenant's figures in `engine`: they name tenants, so they go only where tenants' names may go."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        yield from tenant_families(self.engine)
+
+
 class WorkerMetrics:
-    """One process's registry: the engine collector and the histograms the worker observes."""
+    """One process's metrics: `registry`, what any scrape sees (the engine collector and the histograms the worker
+    observes; no tenant name), and `tenant_registry`, the same and every tenant's figures."""
 
     def __init__(self, collector: EngineCollector, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -146,10 +161,15 @@ class WorkerMetrics:
         self.transfer_seconds = Histogram("kvseal:kv_transfer_seconds", "A KV handoff, sent to acknowledged",
                                           buckets=TRANSFER_BUCKETS, registry=self.registry)
         collector.engine.scheduler.on_first_scheduled = self.queue_time.observe
+        self.tenant_registry = CollectorRegistry()
+        for c in (collector, self.queue_time, self.transfer_seconds, TenantCollector(collector.engine)):
+            self.tenant_registry.register(c)
         self.endpoint: str | None = None
 
-    def serve(self, host: str, port: int) -> str:
-        """Serve /metrics over HTTP on host:port (0: any free port); returns the URL."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, token_sha256: str | None = None) -> str:
+        """Serve /metrics over HTTP on host:port (0: any free port); returns the URL. `tenant_registry` goes only to
+        a scrape with the metrics token whose digest is `token_sha256` (None: to nobody), `registry` to the rest."""
+        app = gated(make_wsgi_app(self.registry), make_wsgi_app(self.tenant_registry), token_sha256)
+        server = serve_wsgi(host, port, app)
         self.endpoint = f"http://{host}:{server.server_port}/metrics"
         return self.endpoint

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import sys
 
 import msgspec
@@ -36,6 +37,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     # the address the router (and, for decode's KV port, prefill) should connect to (default: host and kv_host)
     advertise_host: str | None = None
     metrics_port: int = 0  # Prometheus /metrics on host:this (0: any free port, -1: off)
+    # the metrics token's SHA-256 (hex; metrics/token.py): a scrape with it sees every tenant's figures; None: nobody
+    metrics_token_sha256: str | None = None
     kv_transport: str = "zmq"  # "zmq" | "nixl" (kvseal/transfer/)
     # fleet keys: this worker's keypair and allow-list (kvseal/auth); None: plain ZeroMQ, loopback only
     keys: MemberKeys | None = None
@@ -50,6 +53,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"invalid kv_channel={self.kv_channel!r}: use mac or curve")
         if self.kv_transport not in ("zmq", "nixl"):
             raise ValueError(f"invalid kv_transport={self.kv_transport!r}: use zmq or nixl")
+        if self.metrics_token_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.metrics_token_sha256):
+            raise ValueError("invalid metrics_token_sha256: expected 64 lowercase hex digits (the token's SHA-256; "
+                             "kvseal.metrics.token.token_sha256 reads a --metrics-token-file)")
         if self.v != SPEC_VERSION:
             raise ValueError(f"worker spec v{self.v} is not v{SPEC_VERSION}: start the worker with the same kvseal")
         if self.router and self.keys is not None and not self.router_key:
@@ -92,7 +98,10 @@ def run_worker(spec: WorkerSpec) -> int:
                               spec.reservation_timeout_s, spec.drain_timeout_s, spec.kv_transport, spec.keys,
                               spec.kv_channel, spec.advertise_host)
     if spec.metrics_port >= 0:
-        logging.getLogger("kvseal").info("metrics on %s", server.metrics.serve(spec.host, spec.metrics_port))
+        logging.getLogger("kvseal").info(
+            "metrics on %s (per-tenant figures: %s)", server.metrics.serve(spec.host, spec.metrics_port,
+                                                                             spec.metrics_token_sha256),
+            "with the metrics token" if spec.metrics_token_sha256 else "off, no --metrics-token-file")
     if spec.router:
         port = server.endpoint.rsplit(":", 1)[1]
         server.join = Registration(server.ctx, spec.router, spec.role,

@@ -3,12 +3,15 @@
 against the Kubernetes API schemas (kubernetes-validate, 1.30), and their wiring is checked against kvseal itself:
 every container's arguments parse with kvseal's own parser, the peers the router starts with are the stable
 names of the workers' pod 0, workers join through the fleet Service, each pod's secret key reaches only its
-member, the memory request holds the KV pool the flags ask for, the grace period outlasts the drain, and only
-fleet members reach the control and KV ports.
+member, the memory request holds the KV pool the flags ask for, the grace period outlasts the drain, only
+fleet members reach the control and KV ports, and the workers' metrics token (issue 30) reaches the workers and
+the PodMonitor of deploy/prometheus, never the router or a probe.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -20,26 +23,48 @@ import pytest
 import yaml
 
 from kvseal.cli import build_parser
+from kvseal.metrics.token import token_sha256
 
 ROOT = Path(__file__).resolve().parents[2]
 KV_BYTES_PER_TOKEN = 23040  # SmolLM2-135M, bf16 KV (a worker's /info: kv_bytes_per_token)
 RUNTIME_MIB = 400  # weights and runtime of a worker of the bundled model, measured (docs/deploy.md)
+METRICS_TOKEN = "0123456789abcdef0123456789abcdef"  # what `openssl rand -hex 16` would write
 
 
-@pytest.fixture(scope="module")
-def objects(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
-    assert shutil.which("kubectl"), "kubectl is missing: the repo's setup installs it (scripts/podman_setup.sh)"
-    k8s = tmp_path_factory.mktemp("deploy") / "k8s"
-    shutil.copytree(ROOT / "deploy" / "k8s", k8s, ignore=shutil.ignore_patterns("fleet-keys", "api-keys"))
-    subprocess.run([sys.executable, "-m", "kvseal", "keys", str(k8s / "fleet-keys"), "router", "prefill", "decode",
-                    "ops"], check=True, capture_output=True, timeout=60)
-    (k8s / "api-keys").write_text("alice sk-alice-0001\nops sk-ops-0002 admin\n")
-    out = subprocess.run(["kubectl", "kustomize", str(k8s)], capture_output=True, text=True, timeout=120, check=False)
+Objects = dict[tuple[str, str], dict[str, Any]]
+OPERATOR_KINDS = {"PodMonitor"}  # the Prometheus operator's CRDs: no schema in kubernetes-validate, checked below
+
+
+def render(folder: Path) -> Objects:
+    out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=120,
+                         check=False)
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     for d in docs:
-        kubernetes_validate.validate(d, "1.30.0", strict=True)  # raises ValidationError naming the field
+        if d["kind"] not in OPERATOR_KINDS:
+            kubernetes_validate.validate(d, "1.30.0", strict=True)  # raises ValidationError naming the field
     return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Objects, Objects]:
+    """(deploy/k8s, deploy/prometheus) rendered with a fresh key set, API keys and metrics token."""
+    assert shutil.which("kubectl"), "kubectl is missing: the repo's setup installs it (scripts/podman_setup.sh)"
+    deploy = tmp_path_factory.mktemp("deploy")
+    k8s = deploy / "k8s"
+    shutil.copytree(ROOT / "deploy" / "k8s", k8s, ignore=shutil.ignore_patterns("fleet-keys", "api-keys",
+                                                                                "metrics-token"))
+    shutil.copytree(ROOT / "deploy" / "prometheus", deploy / "prometheus")
+    subprocess.run([sys.executable, "-m", "kvseal", "keys", str(k8s / "fleet-keys"), "router", "prefill", "decode",
+                    "ops"], check=True, capture_output=True, timeout=60)
+    (k8s / "api-keys").write_text("alice sk-alice-0001\nops sk-ops-0002 admin\n")
+    (k8s / "metrics-token").write_text(METRICS_TOKEN + "\n")
+    return render(k8s), render(deploy / "prometheus")
+
+
+@pytest.fixture(scope="module")
+def objects(rendered: tuple[Objects, Objects]) -> Objects:
+    return rendered[0]
 
 
 def pod_spec(objects: dict[tuple[str, str], dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -157,3 +182,57 @@ def test_only_fleet_members_reach_the_control_kv_and_fleet_ports(
     for role in ROLES:  # and a disruption budget per role
         pdb = objects[("PodDisruptionBudget", f"kvseal-{role}")]["spec"]
         assert pdb["selector"]["matchLabels"]["app.kubernetes.io/component"] == role
+
+
+def _secret_mount(spec: dict[str, Any], path: str) -> tuple[str, str]:
+    """(the Secret, the key in it) that `path` in the container of `spec` reads."""
+    (c,) = spec["containers"]
+    mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    return volume["secret"]["secretName"], path.removeprefix(mount["mountPath"].rstrip("/") + "/")
+
+
+def test_workers_read_the_metrics_token_from_its_secret_and_probes_do_without_it(objects: Objects,
+                                                                                  tmp_path: Path) -> None:
+    for role in ("prefill", "decode"):
+        spec = pod_spec(objects, *ROLES[role])
+        a = kvseal_args(spec)
+        secret, key = _secret_mount(spec, a.metrics_token_file)
+        assert secret.startswith("metrics-token-")  # generated: a new token rolls the workers
+        data = objects[("Secret", secret)]["data"]
+        assert set(data) == {key}
+        mounted = tmp_path / key  # the file the worker reads, as the Secret volume will hold it
+        mounted.write_bytes(base64.b64decode(data[key]))
+        assert token_sha256(str(mounted)) == hashlib.sha256(METRICS_TOKEN.encode()).hexdigest()
+        (c,) = spec["containers"]
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):  # the fleet-level view: no header needed
+            assert c[probe]["httpGet"]["port"] == "metrics" and "httpHeaders" not in c[probe]["httpGet"]
+    router = pod_spec(objects, *ROLES["router"])
+    assert not [v for v in router["volumes"] if v.get("secret", {}).get("secretName", "").startswith("metrics-token")]
+
+
+def test_the_podmonitor_scrapes_every_worker_with_the_token_they_read(rendered: tuple[Objects, Objects]) -> None:
+    base, with_prometheus = rendered
+    assert not [k for k in base if k[0] in OPERATOR_KINDS]  # deploy/k8s applies on a cluster without the operator
+    assert {k for k in with_prometheus if k[0] not in OPERATOR_KINDS} == set(base)
+    monitor = with_prometheus[("PodMonitor", "kvseal-workers")]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["metadata"]["namespace"] == "kvseal"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    selector = monitor["spec"]["selector"]
+    for kind, name in ROLES.values():
+        spec = pod_spec(with_prometheus, kind, name)
+        labels = with_prometheus[(kind, name)]["spec"]["template"]["metadata"]["labels"]
+        picked = (selector["matchLabels"].items() <= labels.items() and all(
+            labels.get(e["key"]) in e["values"] for e in selector["matchExpressions"]))
+        assert picked == (kind == "StatefulSet"), name  # the workers, not the router (its /metrics: admin keys)
+        if not picked:
+            continue
+        a = kvseal_args(spec)
+        (c,) = spec["containers"]
+        port = next(p for p in c["ports"] if p["name"] == endpoint["port"])
+        assert port["containerPort"] == a.metrics_port and endpoint["path"] == "/metrics"
+        # the same Secret (its generated name) and key the worker reads its token from
+        assert endpoint["authorization"]["type"] == "Bearer"
+        cred = endpoint["authorization"]["credentials"]
+        assert (cred["name"], cred["key"]) == _secret_mount(spec, a.metrics_token_file)
+        assert ("Secret", cred["name"]) in with_prometheus

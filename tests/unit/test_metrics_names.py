@@ -35,7 +35,7 @@ def test_the_dashboard_queries_only_exported_metrics(tiny: Checkpoint) -> None:
     backend = SimpleNamespace(prefills=[], decodes=[refused])
     router = RouterMetrics(backend)  # type: ignore[arg-type]
     worker = WorkerMetrics(EngineCollector(make_engine(tiny), labels={"endpoint": "tcp://x"}))
-    names = exported(router.registry) | exported(worker.registry)
+    names = exported(router.registry) | exported(worker.tenant_registry)  # the token's view: every family
     text = router.exposition().decode()
     assert 'kvseal:fleet_check_refusals_total{role="decode"} 1.0' in text
     assert 'kvseal:workers{role="decode",standing="refused"} 1.0' in text
