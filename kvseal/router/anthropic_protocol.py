@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from kvseal.router.protocol import _I32, Strict
+from kvseal.router.protocol import _I32, JsonObject, Strict
 from kvseal.router.tools.plan import Function
 
 _TOOL_NAME = r"^[A-Za-z0-9_-]{1,128}$"
@@ -34,7 +34,7 @@ class ToolUseBlock(Strict):
     type: Literal["tool_use"]
     id: str
     name: str
-    input: dict[str, Any]
+    input: JsonObject
     cache_control: CacheControl | None = None
 
 
@@ -61,7 +61,7 @@ class Message(Strict):
 class Tool(Strict):
     name: Annotated[str, Field(pattern=_TOOL_NAME)]
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: JsonObject
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
 

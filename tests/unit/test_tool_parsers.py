@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvseal.errors import InvalidRequest
+from kvseal.router.json_depth import MAX_JSON_DEPTH
 from kvseal.router.tools.calls import Call, Event, Text
 from kvseal.router.tools.families import family_of
 from kvseal.router.tools.hermes import Hermes
@@ -174,3 +175,22 @@ def test_streamed_calls_name_once_then_fragments_that_join_to_the_arguments() ->
     assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}
     assert len(calls) > 2 and all("name" not in c["function"] and "id" not in c for c in calls[1:])
     assert json.loads("".join(c["function"]["arguments"] for c in calls)) == args
+
+
+def nested_call(levels: int) -> str:
+    """A call whose JSON (the outer object counted) nests `levels` deep."""
+    return '{"name": "get_time", "arguments": {"a": ' + "[" * (levels - 2) + "]" * (levels - 2) + "}}"
+
+
+@pytest.mark.parametrize("levels", [MAX_JSON_DEPTH + 1, 5000])
+def test_a_call_the_model_nests_past_the_limit_is_text_never_a_crash(levels: int) -> None:
+    body = nested_call(levels)
+    for text in (f"<tool_call>\n{body}\n</tool_call>", body, f"```json\n{body}\n```"):
+        assert cuts(lambda: Hermes().splitter(NAMES, forced=False), text, 1000) == [Text(text)]
+    assert cuts(lambda: Llama3().splitter(NAMES, forced=False), body, 1000) == [Text(body)]
+    args = '"{\\"a\\": ' + "[" * levels + "]" * levels + '}"'  # arguments written as a JSON string
+    text = f'<tool_call>{{"name": "get_time", "arguments": {args}}}</tool_call>'
+    assert cuts(lambda: Hermes().splitter(NAMES, forced=False), text, 1000) == [Text(text)]
+    ok = nested_call(MAX_JSON_DEPTH)
+    assert [type(e) for e in cuts(lambda: Hermes().splitter(NAMES, forced=False), ok, 1000)] == [Call]
+
