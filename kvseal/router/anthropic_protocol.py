@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
+from kvseal.engine.params import MAX_STOPS
 from kvseal.router.protocol import _I32, JsonObject, Strict
 from kvseal.router.tools.plan import Function
 
@@ -137,8 +138,8 @@ class MessagesRequest(CountTokensRequest):
     @classmethod
     def _stops(cls, v: list[str] | None) -> list[str] | None:
         if v is not None:
-            if len(v) > 16:
-                raise ValueError("at most 16 stop sequences")
+            if len(v) > MAX_STOPS:
+                raise ValueError(f"at most {MAX_STOPS} stop sequences")
             if any(s == "" for s in v):
                 raise ValueError("stop sequences must not be empty")
             for s in v:

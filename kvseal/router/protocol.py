@@ -12,10 +12,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvseal.engine.params import MAX_STOPS
 from kvseal.errors import InvalidRequest
 from kvseal.router.json_depth import TOO_DEEP, TooDeep, bounded, loads
 
-_MAX_STOPS = 16
 MAX_N = 16  # samples per request (each is a request of its own on the workers)
 _I32 = 2**31 - 1  # integers travel between processes as msgpack int64: bound them at the door
 # a JSON object the body carries and kvseal walks again (a tool's schema, a tool_use input): router/json_depth.py
@@ -141,8 +141,8 @@ class _SamplingFields(Strict):
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > _MAX_STOPS:
-            raise ValueError(f"at most {_MAX_STOPS} stop sequences")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty")
         for s in stops:

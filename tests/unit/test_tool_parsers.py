@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from kvseal.engine.messages import SamplingParams
+from kvseal.engine.params import MAX_ADDED_STOPS, MAX_STOPS, check_sampling
 from kvseal.errors import InvalidRequest
 from kvseal.router.json_depth import MAX_JSON_DEPTH
 from kvseal.router.tools.calls import Call, Event, Text
@@ -194,3 +196,13 @@ def test_a_call_the_model_nests_past_the_limit_is_text_never_a_crash(levels: int
     ok = nested_call(MAX_JSON_DEPTH)
     assert [type(e) for e in cuts(lambda: Hermes().splitter(NAMES, forced=False), ok, 1000)] == [Call]
 
+def test_the_stops_a_plan_adds_fit_beside_the_clients_most_in_the_engines_check() -> None:
+    client = tuple(f"s{i}" for i in range(MAX_STOPS))
+    for template in (QWEN_TEMPLATE, LLAMA_TEMPLATE):
+        for choice in ("auto", "required", "get_weather"):
+            plan = plan_tools(template, [WEATHER], choice, False, False)
+            assert plan is not None and len(plan.stops) <= MAX_ADDED_STOPS
+            check_sampling(SamplingParams(max_tokens=1, stop=client + plan.stops))
+    with pytest.raises(InvalidRequest) as e:  # a peer's frame past any API request's stops is still refused
+        check_sampling(SamplingParams(max_tokens=1, stop=client + ("x",) * (MAX_ADDED_STOPS + 1)))
+    assert e.value.param == "stop"
