@@ -13,7 +13,10 @@ from kvseal.engine.messages import SCHEMA_VERSION, GenerateRequest, SamplingPara
 from kvseal.errors import ContextLengthExceeded, InvalidRequest
 
 MAX_LOGPROBS = 20
-MAX_STOPS = 16
+MAX_STOPS = 16  # a client's stop sequences (`stop`, `stop_sequences`): the API refuses more by name
+# stops the router adds of its own, never the client's (a tool plan's end of a single call, router/tools/plan.py):
+# they do not count against the client's MAX_STOPS, and the client never sees them
+MAX_ADDED_STOPS = 4
 
 
 def check_sampling(p: SamplingParams) -> None:
@@ -28,7 +31,8 @@ def check_sampling(p: SamplingParams) -> None:
     need(p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, "logprobs", p.logprobs,
          f"give 0 to {MAX_LOGPROBS}")
     need(p.min_tokens >= 0, "min_tokens", p.min_tokens, "give 0 or more")
-    need(len(p.stop) <= MAX_STOPS and all(p.stop), "stop", p.stop, f"at most {MAX_STOPS} non-empty strings")
+    most = MAX_STOPS + MAX_ADDED_STOPS
+    need(len(p.stop) <= most and all(p.stop), "stop", p.stop, f"at most {most} non-empty strings")
 
 
 def check_window(num_prompt: int, max_tokens: int, context_window: int) -> None:

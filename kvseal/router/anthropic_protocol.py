@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from kvseal.router.protocol import _I32, Strict
+from kvseal.engine.params import MAX_STOPS
+from kvseal.router.protocol import _I32, JsonObject, Strict
 from kvseal.router.tools.plan import Function
 
 _TOOL_NAME = r"^[A-Za-z0-9_-]{1,128}$"
@@ -34,7 +35,7 @@ class ToolUseBlock(Strict):
     type: Literal["tool_use"]
     id: str
     name: str
-    input: dict[str, Any]
+    input: JsonObject
     cache_control: CacheControl | None = None
 
 
@@ -61,7 +62,7 @@ class Message(Strict):
 class Tool(Strict):
     name: Annotated[str, Field(pattern=_TOOL_NAME)]
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: JsonObject
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
 
@@ -137,8 +138,8 @@ class MessagesRequest(CountTokensRequest):
     @classmethod
     def _stops(cls, v: list[str] | None) -> list[str] | None:
         if v is not None:
-            if len(v) > 16:
-                raise ValueError("at most 16 stop sequences")
+            if len(v) > MAX_STOPS:
+                raise ValueError(f"at most {MAX_STOPS} stop sequences")
             if any(s == "" for s in v):
                 raise ValueError("stop sequences must not be empty")
             for s in v:

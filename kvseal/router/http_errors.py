@@ -43,9 +43,11 @@ def failed(request: Request, err: KvsealError, last: GenerateDelta | None = None
 
 
 def validation_error(errs: Sequence[Any]) -> InvalidRequest:
-    """The first pydantic error as a 400 naming the field (an unknown field: `extra_forbidden`)."""
-    first = errs[0] if errs else {}
-    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    """The first pydantic error as a 400 naming the field (an unknown field: `extra_forbidden`). A value that failed
+    every branch of a union fails each: a `value_error` (kvseal's own validators, whose messages name the limit) is
+    the one told, and the branches' labels (`list[...]`, `literal[...]`: never a field) are left out of the name."""
+    first = next((e for e in errs if e.get("type") == "value_error"), errs[0] if errs else {})
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and "[" not in str(x))
     if first.get("type") == "extra_forbidden":
         return InvalidRequest(f"{loc}: this field is not supported by kvseal; remove it from the request",
                               param=loc or None)

@@ -8,16 +8,18 @@ Tools (router/tools/) are honoured for templates kvseal has a call parser for, a
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvseal.engine.params import MAX_STOPS
 from kvseal.errors import InvalidRequest
+from kvseal.router.json_depth import TOO_DEEP, TooDeep, bounded, loads
 
-_MAX_STOPS = 16
 MAX_N = 16  # samples per request (each is a request of its own on the workers)
 _I32 = 2**31 - 1  # integers travel between processes as msgpack int64: bound them at the door
+# a JSON object the body carries and kvseal walks again (a tool's schema, a tool_use input): router/json_depth.py
+JsonObject = Annotated[dict[str, Any], AfterValidator(bounded)]
 
 
 class Strict(BaseModel):
@@ -48,7 +50,7 @@ _FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 class FunctionDef(Strict):
     name: Annotated[str, Field(pattern=_FUNCTION_NAME)]
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; enforced under tool_choice required or named
+    parameters: JsonObject | None = None  # a JSON schema; enforced under tool_choice required or named
     strict: bool | None = None
 
 
@@ -95,7 +97,7 @@ class ChatMessage(Strict):
 class JsonSchema(Strict):
     name: str = "response"
     description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: JsonObject = Field(alias="schema")
     strict: bool | None = None  # the schema is always enforced
 
 
@@ -139,8 +141,8 @@ class _SamplingFields(Strict):
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > _MAX_STOPS:
-            raise ValueError(f"at most {_MAX_STOPS} stop sequences")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty")
         for s in stops:
@@ -206,10 +208,13 @@ class DetokenizeRequest(Strict):
     tokens: list[Annotated[int, Field(ge=0, le=_I32)]]
 
 
-def template_arguments(text: str) -> Any:
-    """A call's arguments as templates render them (`arguments | tojson`): the object, or the text if not JSON."""
+def template_arguments(text: str, param: str) -> Any:
+    """A call's arguments as templates render them (`arguments | tojson`): the object, or the text if not JSON.
+    Raises InvalidRequest naming param for JSON nested past MAX_JSON_DEPTH."""
     try:
-        return json.loads(text)
+        return loads(text)
+    except TooDeep:
+        raise InvalidRequest(f"{param}: {TOO_DEEP}", param=param) from None
     except ValueError:
         return text
 
@@ -225,8 +230,9 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 raise InvalidRequest(f"messages.{i}.tool_calls: only assistant messages carry tool calls",
                                      param=f"messages.{i}.tool_calls")
             d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
-                for c in m.tool_calls]
+                "name": c.function.name, "arguments": template_arguments(
+                    c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")}}
+                for j, c in enumerate(m.tool_calls)]
         if m.tool_call_id is not None:
             if m.role != "tool":
                 raise InvalidRequest(f"messages.{i}.tool_call_id: only tool messages answer a tool call",

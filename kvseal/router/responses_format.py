@@ -50,7 +50,7 @@ def assistant_turn(items: list[dict[str, Any]]) -> dict[str, Any]:
     """A response's output as the assistant message a continued conversation renders."""
     text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
     calls = [{"id": i["call_id"], "type": "function",
-              "function": {"name": i["name"], "arguments": template_arguments(i["arguments"])}}
+              "function": {"name": i["name"], "arguments": template_arguments(i["arguments"], "arguments")}}
              for i in items if i["type"] == "function_call"]
     return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 

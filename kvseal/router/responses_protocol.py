@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from kvseal.router.protocol import _I32, Strict, template_arguments
+from kvseal.router.protocol import _I32, JsonObject, Strict, template_arguments
 from kvseal.router.tools.plan import Function
 
 _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -63,7 +63,7 @@ class FunctionTool(Strict):
     type: Literal["function"]
     name: Annotated[str, Field(pattern=_NAME)]
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonObject | None = None
     strict: bool | None = None  # the schema is enforced under tool_choice required or named
 
 
@@ -114,13 +114,13 @@ class ResponsesRequest(Strict):
 
 def items_to_messages(items: list[Item]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for item in items:
+    for k, item in enumerate(items):
         if isinstance(item, InputMessage):
             role = "system" if item.role == "developer" else item.role
             out.append({"role": role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {
-                "name": item.name, "arguments": template_arguments(item.arguments)}}
+                "name": item.name, "arguments": template_arguments(item.arguments, f"input.{k}.arguments")}}
             if out and out[-1]["role"] == "assistant":  # the calls of one answer are one assistant turn
                 out[-1].setdefault("tool_calls", []).append(call)
             else:

@@ -1,8 +1,9 @@
 """Anthropic's Messages API on Qwen2.5-Coder-0.5B-Instruct with the official anthropic client, unified and
 disaggregated: system and multi-turn text, stop sequences and max_tokens with their stop reasons, a weather tool
 whole and through the client's stream helper, a two-turn tool_use/tool_result loop, a named tool always valid,
-count_tokens equal to what a request counts, keys from x-api-key mapped to the same tenants as a bearer key, and
-every error in Anthropic's shape."""
+count_tokens equal to what a request counts, keys from x-api-key mapped to the same tenants as a bearer key,
+every error in Anthropic's shape, a forced tool cut by max_tokens that leaves no block whole and streamed, 16
+stop_sequences beside disable_parallel_tool_use, and a tool_use input nested past the limit a 400."""
 
 from __future__ import annotations
 
@@ -141,3 +142,33 @@ def test_errors_are_anthropic_shaped_and_name_the_field(fleet: Fleet, extra: dic
     r = httpx.post(fleet.server.url + "/v1/messages", headers={"x-api-key": KEYS["bob"]}, timeout=30,
                    json={"model": "claude-x", "max_tokens": 2, "messages": ASK})
     assert r.status_code == 404 and json.loads(r.text)["error"]["type"] == "not_found_error"
+
+
+def test_any_tool_cut_by_max_tokens_is_no_block_whole_and_streamed(fleet: Fleet) -> None:
+    r = create(fleet.alice, ASK, tools=[WEATHER], tool_choice={"type": "any"}, max_tokens=3)
+    assert (r.stop_reason, r.content) == ("max_tokens", [])
+    with fleet.alice.messages.stream(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice={"type": "any"},
+                                     max_tokens=3, extra_body=GREEDY) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert "content_block_start" not in kinds  # never the prompt's `<tool_call>` as a text block
+    assert (final.stop_reason, final.content) == ("max_tokens", [])
+
+
+def test_sixteen_stop_sequences_and_one_tool_use_at_a_time(fleet: Fleet) -> None:
+    r = create(fleet.alice, ASK, tools=[WEATHER], stop_sequences=[f"zebra{i}" for i in range(16)],
+               tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert r.stop_reason == "tool_use" and [b.name for b in r.content] == ["get_weather"]
+
+
+def test_a_tool_use_input_nested_past_the_limit_is_a_400_naming_it(fleet: Fleet) -> None:
+    deep: Any = "x"
+    for _ in range(129):  # one level past the limit
+        deep = {"a": deep}
+    history = [*ASK, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": deep}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "17°C"}]}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        create(fleet.alice, history, tools=[WEATHER], max_tokens=2)
+    message = e.value.body["error"]["message"]
+    assert e.value.status_code == 400 and "messages.1.content.0.tool_use.input" in message and "128 levels" in message

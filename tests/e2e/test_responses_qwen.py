@@ -2,7 +2,8 @@
 disaggregated: string input with instructions, a weather tool whole and through the client's stream helper (text
 too), a two-turn tool loop continued with previous_response_id whose answer uses the tool's result (its prompt pages
 from the prefix cache, under its own tenant only), a required call valid against its schema, stored responses that
-are their tenant's alone (another tenant's id: 404), and unknown fields refused by name."""
+are their tenant's alone (another tenant's id: 404), unknown fields refused by name, a required call cut by
+max_output_tokens that leaves no output whole and streamed, and arguments nested past the limit a 400."""
 
 from __future__ import annotations
 
@@ -112,3 +113,24 @@ def test_unknown_fields_are_a_400_naming_them(fleet: Fleet, extra: dict[str, Any
     with pytest.raises(openai.BadRequestError) as e:
         create(fleet.alice, input="hi", max_output_tokens=2, extra_body=extra)
     assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+def test_a_required_call_cut_by_max_output_tokens_is_no_output_whole_and_streamed(fleet: Fleet) -> None:
+    r = create(fleet.alice, input=ASK, tools=[WEATHER], tool_choice="required", max_output_tokens=3)
+    assert (r.status, r.incomplete_details.reason, r.output) == ("incomplete", "max_output_tokens", [])
+    with fleet.alice.responses.stream(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required",
+                                      temperature=0, max_output_tokens=3) as stream:
+        events = list(stream)  # (the helper's get_final_response() wants a response.completed)
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.incomplete"]
+    final = events[-1].response
+    assert (final.status, final.output) == ("incomplete", [])  # never the prompt's `<tool_call>` as output_text
+
+
+def test_function_call_arguments_nested_past_the_limit_are_a_400_naming_them(fleet: Fleet) -> None:
+    deep = '{"city": ' + "[" * 5000 + "]" * 5000 + "}"
+    with pytest.raises(openai.BadRequestError) as e:
+        create(fleet.alice, tools=[WEATHER], input=[
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": deep},
+            {"type": "function_call_output", "call_id": "c1", "output": RESULT}])
+    assert e.value.status_code == 400 and e.value.body["param"] == "input.0.arguments"
+    assert "128 levels" in e.value.body["message"]

@@ -2,7 +2,8 @@
 official openai client, unified and disaggregated: a weather tool called with the right arguments, whole and
 through the client's stream helper; a two-turn loop whose answer uses the tool's result; `required` and a named
 function give schema-valid calls 20/20 (even for prompts that have nothing to do with the tools); `none` never
-gives a call."""
+gives a call; a forced call cut by max_tokens is no call and no text, whole and streamed; 16 stops beside one call
+at a time; JSON nested past the limit is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -127,3 +128,44 @@ def test_what_tools_cannot_honour_is_a_400_naming_it(client: openai.OpenAI, extr
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, extra_body=extra)
     assert e.value.status_code == 400 and e.value.param == param
+
+
+def test_a_forced_call_cut_by_max_tokens_is_no_call_and_no_text_whole_and_streamed(client: openai.OpenAI) -> None:
+    whole = chat(client, ASK, tools=TOOLS, tool_choice="required", max_tokens=3).choices[0]
+    assert (whole.finish_reason, whole.message.tool_calls, whole.message.content) == ("length", None, "")
+    text, calls, finish = "", 0, None
+    for chunk in chat(client, ASK, tools=TOOLS, tool_choice="required", max_tokens=3, stream=True):
+        delta = chunk.choices[0].delta
+        text, calls = text + (delta.content or ""), calls + len(delta.tool_calls or [])
+        finish = chunk.choices[0].finish_reason or finish
+    assert (finish, calls, text) == ("length", 0, "")  # the same answer, without the prompt's `<tool_call>` markup
+
+
+def test_sixteen_stops_and_one_call_at_a_time(client: openai.OpenAI) -> None:
+    """The stop a single-call plan adds is kvseal's own: it neither counts against the client's 16 nor shows."""
+    stops = [f"zebra{i}" for i in range(16)]
+    r = chat(client, ASK, tools=TOOLS, parallel_tool_calls=False, stop=stops).choices[0]
+    assert r.finish_reason == "tool_calls" and [c.function.name for c in r.message.tool_calls] == ["get_weather"]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, ASK, tools=TOOLS, parallel_tool_calls=False, stop=[*stops, "zebra16"])
+    assert e.value.param == "stop" and "</tool_call>" not in e.value.message and "16" in e.value.message
+
+
+def nested(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": ' + nested(5000) + "}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "17°C"}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "x": json.loads(nested(128))}}}]},
+     "tools.0.function.parameters"),
+])
+def test_json_nested_past_the_limit_is_a_400_naming_it(client: openai.OpenAI, extra: dict[str, Any],
+                                                       param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, ASK, tools=TOOLS, max_tokens=2, extra_body=extra)
+    assert e.value.status_code == 400 and e.value.param == param and "128 levels" in e.value.message

@@ -1,5 +1,5 @@
-"""Tool-call splitters (router/tools/): the same events whole or streamed in any cut, a broken call stays text,
-and text that may start a call is held back until it is decided."""
+"""Tool-call splitters (router/tools/): the same events whole or streamed in any cut, a broken call stays text (a
+forced one cut short is nothing), and text that may start a call is held back until it is decided."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import json
 
 import pytest
 
+from kvseal.engine.messages import SamplingParams
+from kvseal.engine.params import MAX_ADDED_STOPS, MAX_STOPS, check_sampling
 from kvseal.errors import InvalidRequest
+from kvseal.router.json_depth import MAX_JSON_DEPTH
 from kvseal.router.tools.calls import Call, Event, Text
 from kvseal.router.tools.families import family_of
 from kvseal.router.tools.hermes import Hermes
@@ -174,3 +177,51 @@ def test_streamed_calls_name_once_then_fragments_that_join_to_the_arguments() ->
     assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}
     assert len(calls) > 2 and all("name" not in c["function"] and "id" not in c for c in calls[1:])
     assert json.loads("".join(c["function"]["arguments"] for c in calls)) == args
+
+
+@pytest.mark.parametrize(("template", "cut"), [
+    (QWEN_TEMPLATE, '{"name":'),  # the prompt opened `<tool_call>\n`; max_tokens ended the output here
+    (QWEN_TEMPLATE, '{"name": "get_weather", "arguments": {"city": "Pa'),
+    (LLAMA_TEMPLATE, '{"name": "get_weather", "parameters": {'),
+])
+def test_a_forced_call_cut_short_is_no_call_and_no_text_whole_and_streamed(template: str, cut: str) -> None:
+    plan = plan_tools(template, [WEATHER, Function("get_time", None, None)], "required", True, False)
+    assert plan is not None and plan.forced
+    assert split_whole(plan.splitter(), cut) == ("", [])
+    for size in (1, 4, 1000):
+        sc = StreamCalls(plan.splitter())
+        deltas = [d for k in range(0, len(cut), size) for d in sc.deltas(cut[k:k + size], False)]
+        assert deltas + sc.deltas("", True) == [] and sc.calls == 0
+    whole = '{"name": "get_time", "arguments": {}}' if template == QWEN_TEMPLATE else \
+        '{"name": "get_time", "parameters": {}}'
+    assert split_whole(plan.splitter(), whole) == ("", [Call("get_time", "{}")])  # a whole one still is a call
+
+
+def nested_call(levels: int) -> str:
+    """A call whose JSON (the outer object counted) nests `levels` deep."""
+    return '{"name": "get_time", "arguments": {"a": ' + "[" * (levels - 2) + "]" * (levels - 2) + "}}"
+
+
+@pytest.mark.parametrize("levels", [MAX_JSON_DEPTH + 1, 5000])
+def test_a_call_the_model_nests_past_the_limit_is_text_never_a_crash(levels: int) -> None:
+    body = nested_call(levels)
+    for text in (f"<tool_call>\n{body}\n</tool_call>", body, f"```json\n{body}\n```"):
+        assert cuts(lambda: Hermes().splitter(NAMES, forced=False), text, 1000) == [Text(text)]
+    assert cuts(lambda: Llama3().splitter(NAMES, forced=False), body, 1000) == [Text(body)]
+    args = '"{\\"a\\": ' + "[" * levels + "]" * levels + '}"'  # arguments written as a JSON string
+    text = f'<tool_call>{{"name": "get_time", "arguments": {args}}}</tool_call>'
+    assert cuts(lambda: Hermes().splitter(NAMES, forced=False), text, 1000) == [Text(text)]
+    ok = nested_call(MAX_JSON_DEPTH)
+    assert [type(e) for e in cuts(lambda: Hermes().splitter(NAMES, forced=False), ok, 1000)] == [Call]
+
+
+def test_the_stops_a_plan_adds_fit_beside_the_clients_most_in_the_engines_check() -> None:
+    client = tuple(f"s{i}" for i in range(MAX_STOPS))
+    for template in (QWEN_TEMPLATE, LLAMA_TEMPLATE):
+        for choice in ("auto", "required", "get_weather"):
+            plan = plan_tools(template, [WEATHER], choice, False, False)
+            assert plan is not None and len(plan.stops) <= MAX_ADDED_STOPS
+            check_sampling(SamplingParams(max_tokens=1, stop=client + plan.stops))
+    with pytest.raises(InvalidRequest) as e:  # a peer's frame past any API request's stops is still refused
+        check_sampling(SamplingParams(max_tokens=1, stop=client + ("x",) * (MAX_ADDED_STOPS + 1)))
+    assert e.value.param == "stop"

@@ -1,7 +1,8 @@
 """What a tool-call splitter emits: plain text, or a call whose arguments are a parsed JSON object.
 
 Invariant: a Call is emitted only after its whole text was read and parsed, with a name the request offered and
-arguments that are a JSON object; anything else stays text (a broken call is never returned as a call).
+arguments that are a JSON object; anything else stays text (a broken call is never returned as a call). JSON nested
+past router/json_depth.MAX_JSON_DEPTH is not a call either: a model can write `[[[[` as well as a client.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import json
 import secrets
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from kvseal.router.json_depth import loads, raw_decode
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ def make_call(obj: Any, names: frozenset[str], args_key: str) -> Call | None:
     args = obj.get(args_key, {})
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            args = json.loads(args)
+            args = loads(args)
         except ValueError:
             return None
     if not isinstance(args, dict) or set(obj) - {"name", args_key}:
@@ -61,14 +64,14 @@ def make_call(obj: Any, names: frozenset[str], args_key: str) -> Call | None:
 def json_calls(body: str, names: frozenset[str], keys: tuple[str, ...]) -> list[Call] | None:
     """Calls from JSON objects one after the other (blanks or `;` between), each {"name", one of keys}; None
     unless all of body is such calls."""
-    decoder, calls, i = json.JSONDecoder(), list[Call](), 0
+    calls, i = list[Call](), 0
     while True:
         while i < len(body) and body[i] in " \t\r\n;":
             i += 1
         if i == len(body):
             return calls or None
         try:
-            obj, i = decoder.raw_decode(body, i)
+            obj, i = raw_decode(body, i)
         except ValueError:
             return None
         call = next((c for k in keys if (c := make_call(obj, names, k)) is not None), None)

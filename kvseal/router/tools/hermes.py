@@ -12,9 +12,9 @@ or in a ```json fence, as llama.cpp's Hermes parser also accepts: an answer whos
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from kvseal.router.json_depth import loads
 from kvseal.router.tools.calls import Event, Whitespace, held_prefix, json_calls, make_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -93,7 +93,7 @@ class HermesSplitter:
 
     def _block(self, body: str, closed: bool) -> list[Event]:
         try:
-            call = make_call(json.loads(body), self.names, "arguments")
+            call = make_call(loads(body), self.names, "arguments")
         except ValueError:
             call = None
         if call is not None:

@@ -6,7 +6,8 @@ tool_choice:
 - "auto" (the default): the model may call; its output is parsed by the template's family (families.py).
 - "required" / {"type": "function", "function": {"name": N}}: the prompt ends with the family's call opening and
   the output is constrained (engine/structured.py) to exactly one call, of N or of any offered function, whose
-  arguments match that function's `parameters` schema.
+  arguments match that function's `parameters` schema. Only a whole call comes back: one cut short (by max_tokens
+  or a stop sequence) gives no call and no text, never the partial markup (the prompt, not the model, opened it).
 """
 
 from __future__ import annotations
@@ -64,7 +65,23 @@ class ToolPlan:
 
     def splitter(self) -> Splitter:
         inner = self.family.splitter(self.names, self.forced)
+        if self.forced:
+            inner = _CallsOnly(inner)
         return inner if self.parallel else _FirstCall(inner)
+
+
+class _CallsOnly:
+    """A forced call: the grammar writes nothing but the call, so any text is a call cut short; it is dropped, the
+    same whole and streamed (a splitter only gives up a broken call as text at finish())."""
+
+    def __init__(self, inner: Splitter) -> None:
+        self.inner = inner
+
+    def feed(self, text: str) -> list[Event]:
+        return [e for e in self.inner.feed(text) if isinstance(e, Call)]
+
+    def finish(self) -> list[Event]:
+        return [e for e in self.inner.finish() if isinstance(e, Call)]
 
 
 class _FirstCall:
