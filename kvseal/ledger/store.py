@@ -107,7 +107,10 @@ class Ledger:
 
     def __init__(self, path: str | Path, flush_s: float = 0.2) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # a folder it makes: the owner's alone
+        # tenant names and page owners: readable by the server's user only (SQLite gives -wal/-shm the same mode)
+        os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
+        os.chmod(self.path, 0o600)
         connect(self.path).close()  # a path that cannot hold a database fails here, at start
         self._q: queue.Queue[LedgerRow | None] = queue.Queue()
         self._flush_s = flush_s

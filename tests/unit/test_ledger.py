@@ -145,3 +145,25 @@ def test_incidents_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     (tmp_path / "junk.sqlite").write_bytes(b"not a database at all" * 100)
     assert main(["incidents", str(tmp_path / "junk.sqlite")]) == 2
     assert "cannot read the ledger" in capsys.readouterr().err
+
+
+def test_the_ledger_is_readable_by_the_servers_user_alone(tmp_path: Path) -> None:
+    """It names tenants and whose KV each request read: under the usual umask 022 it was 0644, readable by anyone
+    on the host (seal 11: nothing tenant-visible outside the operator)."""
+    import os
+    import stat
+
+    from kvseal.ledger.store import Ledger
+
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "made" / "ledger.sqlite"
+        Ledger(path).close()
+        existing = tmp_path / "open.sqlite"
+        existing.touch(mode=0o644)
+        Ledger(existing).close()
+    finally:
+        os.umask(old)
+    for f in (path, existing, *tmp_path.glob("**/*-wal"), *tmp_path.glob("**/*-shm")):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
