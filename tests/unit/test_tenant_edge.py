@@ -255,3 +255,21 @@ def test_store_false_keeps_nothing_and_a_conversation_over_the_budget_is_refused
 
     asyncio.run(main())
     assert len(backend.seen) == 3
+
+
+def test_the_request_log_names_no_prompt_and_no_key(caplog: pytest.LogCaptureFixture) -> None:
+    """Logs are the operator's, never a tenant's (nothing tenant-visible): and what they hold of a tenant's request
+    is its id, tenant name, status and error code, never its text or its key."""
+    backend = Backend()
+
+    async def main() -> None:
+        async with client(app_of(backend)) as c:
+            r = await c.post("/v1/completions", headers=ALICE,
+                             json={"model": "m", "prompt": "canary-7f3a " * 300, "max_tokens": 1})
+            assert r.status_code == 400
+
+    with caplog.at_level("INFO", logger="kvseal.requests"):
+        asyncio.run(main())
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvseal.requests"]
+    assert any("tenant=alice" in line and "context_length_exceeded" in line for line in lines), lines
+    assert not any("canary-7f3a" in line or "sk-alice" in line for line in lines), lines
