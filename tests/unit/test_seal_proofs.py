@@ -51,3 +51,17 @@ def test_a_mutation_runs_in_a_copy_and_a_surviving_one_is_reported(tmp_path: Pat
     assert broken.verdict == "SURVIVED" and "not a test failure" in broken.detail  # a collection error proves nothing
     assert (root / "pkg" / "mod.py").read_text() == source  # the tree itself was never touched
     assert not list(temp.iterdir())  # the copies are gone
+
+
+def test_every_test_the_seals_register_names_exists() -> None:
+    """docs/seals.md's register (seal 11) names a test for each shared resource: each must exist, so the register
+    cannot point at a test that was renamed or removed."""
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "seals.md").read_text()
+    named = re.findall(r"`(tests/[\w/]+\.py)((?:::\w+)?)`((?:, `::\w+`)*)", text)
+    assert len(named) >= 20, named
+    for path, first, more in named:
+        source = (root / path).read_text()
+        for name in [first, *re.findall(r"::\w+", more)]:
+            if name:
+                assert f"def {name[2:]}(" in source, f"docs/seals.md names {path}{name}, which does not exist"
