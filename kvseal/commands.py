@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
-    from kvseal.router.tenant_file import TenantsFile, read_tenants_file
+    from kvseal.tenancy.tenant_file import TenantsFile, read_tenants_file
 
     f = read_tenants_file(a.api_keys) if a.api_keys is not None else TenantsFile((), (), ())
     return config_args.server_config(a, api_keys=f.keys, admin_keys=f.admins, tenants=f.tenants)
@@ -53,12 +53,13 @@ def chat_template(a: argparse.Namespace) -> str | None:
 
 
 def cmd_worker(a: argparse.Namespace) -> int:
+    from kvseal.wire.roles import Role
     from kvseal.worker.run import WorkerSpec, run_worker
 
     keys = member_keys(a, a.command)
     router, router_key = peer(a, a.router, keys, "router") if a.router else (None, None)
     return run_worker(WorkerSpec(
-        role=a.command, engine=engine_config(a), host=a.host, port=a.port, threads=a.threads,
+        role=Role(a.command), engine=engine_config(a), host=a.host, port=a.port, threads=a.threads,
         log_level=a.log_level, test_faults=a.test_faults, drain_timeout_s=a.drain_timeout,
         router=router, advertise_host=a.advertise_host, keys=keys, router_key=router_key,
         metrics_port=a.metrics_port, metrics_token_sha256=token_sha256(a.metrics_token_file),
@@ -89,7 +90,7 @@ def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], de
                server_keys: dict[str, str] | None = None) -> int:
     from kvseal.faults import hooks_from_spec
     from kvseal.ledger.store import Ledger
-    from kvseal.model.loader import load_tokenizer
+    from kvseal.model.locate import load_tokenizer
     from kvseal.router.disagg import DisaggBackend
 
     hooks = hooks_from_spec(a.test_faults, "kvseal router")
@@ -118,24 +119,31 @@ def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], de
 
 
 def serve_http(backend: Any, scfg: ServerConfig, log_level: str, engine: Engine | None = None) -> None:
-    """The OpenAI app over `backend` (the router's or the unified engine's), with /metrics (and the engine's own
-    figures when it runs in this process) and /doctor/probe, served until SIGTERM or SIGINT."""
+    """The OpenAI app over `backend` (the router's or the unified engine's), served until SIGTERM or SIGINT."""
     import uvicorn
 
-    from kvseal.metrics.engine import EngineCollector, TenantCollector, WorkerMetrics
+    app = http_app(backend, scfg, engine)
+    uvicorn.run(app, host=scfg.host, port=scfg.port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def http_app(backend: Any, scfg: ServerConfig, engine: Engine | None = None) -> Any:
+    """The app with /metrics (and the engine's own figures when it runs in this process) and /doctor/probe. A
+    router's (engine None) imports no torch: tests/unit/test_house.py starts one and checks."""
+    from kvseal.api.app import build_app
     from kvseal.metrics.router import MeteredBackend, RouterMetrics
     from kvseal.metrics.router import install as install_metrics
-    from kvseal.router.api import build_app
     from kvseal.router.probe import install_probe
 
     metrics = RouterMetrics(backend)
     if engine is not None:
+        from kvseal.metrics.engine import EngineCollector, TenantCollector, WorkerMetrics
+
         WorkerMetrics(EngineCollector(engine, labels={"endpoint": f"{scfg.host}:{scfg.port}"}), metrics.registry)
         metrics.registry.register(TenantCollector(engine))  # this /metrics is admin keys' only: tenants may show
     app = build_app(MeteredBackend(backend, metrics), scfg)
     install_metrics(app, metrics)
     install_probe(app, backend)
-    uvicorn.run(app, host=scfg.host, port=scfg.port, log_level=log_level, timeout_graceful_shutdown=5)
+    return app
 
 
 def cmd_drain(a: argparse.Namespace) -> int:
@@ -143,7 +151,7 @@ def cmd_drain(a: argparse.Namespace) -> int:
     import zmq
 
     from kvseal.auth.curve import as_client
-    from kvseal.worker import protocol as P
+    from kvseal.wire import protocol as P
 
     keys = member_keys(a, "drain")
     endpoint, key = peer(a, a.worker, keys, None)
@@ -206,6 +214,7 @@ def worker_specs(a: argparse.Namespace, cores: int) -> tuple[WorkerSpec, WorkerS
     """What `kvseal serve` starts its prefill and decode workers with: this process's engine config (the
     prefill pool from --prefill-kv-pool-tokens if given), threads per role, and its test faults (given to
     every process of the fleet, never through the environment)."""
+    from kvseal.wire.roles import Role
     from kvseal.worker.run import WorkerSpec
 
     cfg = engine_config(a)
@@ -214,8 +223,8 @@ def worker_specs(a: argparse.Namespace, cores: int) -> tuple[WorkerSpec, WorkerS
     p_threads, d_threads = worker_threads(a, cores)
     common = {"log_level": a.log_level, "test_faults": a.test_faults, "kv_transport": a.kv_transport,
               "metrics_token_sha256": token_sha256(a.metrics_token_file)}
-    return (WorkerSpec(role="prefill", engine=prefill_cfg, threads=p_threads, **common),
-            WorkerSpec(role="decode", engine=cfg, threads=d_threads, kv_channel=a.kv_channel, **common))
+    return (WorkerSpec(role=Role.PREFILL, engine=prefill_cfg, threads=p_threads, **common),
+            WorkerSpec(role=Role.DECODE, engine=cfg, threads=d_threads, kv_channel=a.kv_channel, **common))
 
 
 def worker_threads(a: argparse.Namespace, cores: int) -> tuple[int, int]:

@@ -128,10 +128,10 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class TenantPolicy:
-    """One tenant's share and limits, from its lines of the --api-keys file (router/tenant_file.py).
+    """One tenant's share and limits, from its lines of the --api-keys file (tenancy/tenant_file.py).
 
     weight and priority_class travel to every worker with each request (never from the client); the limits are
-    kept by the router (router/limits.py). None: no limit."""
+    kept by the router (tenancy/limits.py). None: no limit."""
 
     weight: float = 1.0  # its share of every engine against the other backlogged tenants (VTC)
     priority_class: int = 0  # lower is served first, across tenants; within a class tenants share by weight
@@ -139,7 +139,7 @@ class TenantPolicy:
     rpm: int | None = None  # requests per minute
     tpm: int | None = None  # tokens per minute: prompt + max_tokens charged at admission, unused output refunded
     kv_share: float = 1.0  # most of each engine's KV pages its requests may hold when one more is admitted
-    store_mb: float = 64.0  # its stored responses (router/response_store.py): its own partition, in MiB
+    store_mb: float = 64.0  # its stored responses (tenancy/response_store.py): its own partition, in MiB
 
     def __post_init__(self) -> None:
         _need(0 < self.weight <= 1e6, "weight", self.weight, "give a positive number (a share against other "
@@ -174,7 +174,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _need(0 <= self.port < 65536, "port", self.port, "give a TCP port 0-65535")
         _need(all(len(d) == 64 and t for d, t in self.api_keys), "api_keys", f"{len(self.api_keys)} entries",
-              "give (sha256 hex digest of a key, tenant name) pairs (kvseal.router.tenants.load_api_keys)")
+              "give (sha256 hex digest of a key, tenant name) pairs (kvseal.tenancy.tenants.load_api_keys)")
         _need(set(self.admin_keys) <= {d for d, _ in self.api_keys}, "admin_keys", f"{len(self.admin_keys)} entries",
               "mark keys of the --api-keys file as admin (a third word `admin` on their line)")
         _need({t for t, _ in self.tenants} <= {t for _, t in self.api_keys}, "tenants",

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from kvseal.kv.spec import KVSpec
+from kvseal.wire.kvspec import KVSpec
 
 # what the serving nodes must agree on, by their /info names: the KV spec's fields, kernels, arithmetic, tokenizer.
 # Read from /info's JSON with .get: doctor reads any router or unified server (of any version), whose nodes may
@@ -212,7 +212,7 @@ def run_doctor(a: argparse.Namespace) -> int:
         except (httpx.HTTPError, ValueError) as exc:
             print(f"kvseal doctor: cannot read {url}/info: {exc}", file=sys.stderr)
             return 2
-        if "role" not in info:  # a tenant's view (router/tenantview.py): no fleet to check
+        if "role" not in info:  # a tenant's view (tenancy/tenantview.py): no fleet to check
             print(f"kvseal doctor: {url}/info shows this key only its own requests: give an admin key (a "
                   f"`TENANT KEY admin` line of the router's --api-keys file) with --api-key", file=sys.stderr)
             return 2

@@ -151,7 +151,7 @@ class InternalError(KvsealError):
 
 
 class RateLimited(KvsealError):
-    """A tenant over one of its limits (router/limits.py): 429 in OpenAI's shape, `type` "requests" or "tokens".
+    """A tenant over one of its limits (tenancy/limits.py): 429 in OpenAI's shape, `type` "requests" or "tokens".
 
     retry_after_s: when the same request would be admitted (None: never, it is larger than the limit itself)."""
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Self
 import msgspec
 
 from kvseal.auth.keys import MemberKeys, fresh_member
-from kvseal.worker import protocol as P
+from kvseal.wire import protocol as P
 
 if TYPE_CHECKING:
     from kvseal.worker.run import WorkerSpec

@@ -15,8 +15,8 @@ The engine calls, in order of a request's life:
 
 from __future__ import annotations
 
-from kvseal.engine.messages import TokenLogprob
 from kvseal.engine.sequence import Sequence
+from kvseal.wire.messages import TokenLogprob
 
 
 class KVConnector:

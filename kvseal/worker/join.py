@@ -16,14 +16,15 @@ import zmq
 
 from kvseal.auth.curve import as_client
 from kvseal.auth.keys import MemberKeys
-from kvseal.worker import protocol as P
+from kvseal.wire import protocol as P
+from kvseal.wire.roles import Role
 
 log = logging.getLogger("kvseal.worker")
 EXIT_REFUSED = 3  # the process's exit status when the router refuses this worker
 
 
 class Registration:
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], router: str, role: str, endpoint: str,
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], router: str, role: Role, endpoint: str,
                  keys: MemberKeys | None = None, router_key: str | None = None) -> None:
         self.router, self.role, self.endpoint = router, role, endpoint
         self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)

@@ -16,12 +16,13 @@ import msgspec
 from kvseal.auth.curve import check_bind
 from kvseal.auth.keys import MemberKeys
 from kvseal.config import EngineConfig
+from kvseal.wire.roles import Role
 
 SPEC_VERSION = 1
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
-    role: str  # "prefill" | "decode"
+    role: Role  # PREFILL | DECODE
     engine: EngineConfig
     host: str = "127.0.0.1"  # the control socket
     port: int = 0  # 0: any free port
@@ -47,7 +48,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     v: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
+        if self.role not in (Role.PREFILL, Role.DECODE):
             raise ValueError(f"invalid role={self.role!r}: use prefill or decode")
         if self.kv_channel not in ("mac", "curve"):
             raise ValueError(f"invalid kv_channel={self.kv_channel!r}: use mac or curve")
@@ -65,7 +66,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     def check_binds(self) -> None:
         """Refuse a control or KV port off loopback without fleet keys (ValueError naming the fix)."""
         check_bind(self.host, self.keys, f"{self.role} worker's control port", "--host")
-        if self.role == "decode":
+        if self.role == Role.DECODE:
             check_bind(self.kv_host or self.host, self.keys, "decode worker's KV port", "--kv-host")
 
 
@@ -89,12 +90,12 @@ def run_worker(spec: WorkerSpec) -> int:
         cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, scrub=scrub))
     bind = f"tcp://{spec.host}:{spec.port}"
     server: WorkerServer
-    if spec.role == "prefill":
-        server = PrefillWorker(Engine(cfg, role="prefill"), bind, hooks, spec.transfer_timeout_s, spec.drain_timeout_s,
-                               spec.kv_transport, spec.keys)
+    if spec.role == Role.PREFILL:
+        server = PrefillWorker(Engine(cfg, role=Role.PREFILL), bind, hooks, spec.transfer_timeout_s,
+                               spec.drain_timeout_s, spec.kv_transport, spec.keys)
     else:
         kv_bind = f"tcp://{spec.kv_host or spec.host}:{spec.kv_port}"
-        server = DecodeWorker(Engine(cfg, role="decode"), bind, kv_bind, hooks,
+        server = DecodeWorker(Engine(cfg, role=Role.DECODE), bind, kv_bind, hooks,
                               spec.reservation_timeout_s, spec.drain_timeout_s, spec.kv_transport, spec.keys,
                               spec.kv_channel, spec.advertise_host)
     if spec.metrics_port >= 0:

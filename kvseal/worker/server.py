@@ -24,13 +24,14 @@ from kvseal.auth.curve import as_server
 from kvseal.auth.keys import MemberKeys
 from kvseal.auth.zap import ZapHandler
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import InternalError, InvalidRequest, KvsealError, WorkerDraining
 from kvseal.hooks import Hooks
 from kvseal.identity import new_instance_id, tokenizer_digest
 from kvseal.metrics.engine import EngineCollector, WorkerMetrics
-from kvseal.worker import protocol as P
-from kvseal.worker.card import WorkerCard
+from kvseal.wire import protocol as P
+from kvseal.wire.card import WorkerCard
+from kvseal.wire.messages import GenerateDelta
+from kvseal.wire.roles import Role
 from kvseal.worker.join import EXIT_REFUSED, Registration
 from kvseal.worker.outbox import Outbox
 
@@ -40,7 +41,7 @@ log = logging.getLogger("kvseal.worker")
 
 
 class WorkerServer:
-    role = "worker"
+    role: Role  # set by each role's class
     kv_transport: str  # set by each role's __init__ (--kv-transport)
 
     def __init__(self, engine: Engine, bind: str, hooks: Hooks, drain_timeout_s: float = 600.0,
@@ -87,7 +88,7 @@ class WorkerServer:
         self.outbox.send(ident, P.encode(msg))
 
     def card(self) -> WorkerCard:
-        """What this worker is (worker/card.py): the router's fleet check compares it with the fleet's."""
+        """What this worker is (wire/card.py): the router's fleet check compares it with the fleet's."""
         e = self.engine
         return WorkerCard(
             role=self.role, model=e.ckpt_name, instance=self.instance, kv=e.kv_spec, kernels=e.kernels,
