@@ -36,7 +36,7 @@ from kvseal.wire.roles import Role
 
 
 class DecodeConnector(KVConnector):
-    role = "decode"
+    role = Role.DECODE
 
     def __init__(self, engine: Engine, verify_kv: Callable[[], bool] = lambda: True) -> None:
         assert engine.role == Role.DECODE, engine.role

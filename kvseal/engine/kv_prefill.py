@@ -19,7 +19,7 @@ from kvseal.wire.roles import Role
 
 
 class PrefillConnector(KVConnector):
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(self, engine: Engine) -> None:
         assert engine.role == Role.PREFILL, engine.role

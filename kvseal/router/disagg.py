@@ -232,7 +232,7 @@ class DisaggBackend:
                 "live_requests": len(self.requests), "ended": dict(self.ended),
                 "routed_by_prefix": self.affinity.routed_by_prefix, "workers": workers}
 
-    def _pick(self, pool: list[WorkerClient], role: str, req: GenerateRequest) -> WorkerClient:
+    def _pick(self, pool: list[WorkerClient], role: Role, req: GenerateRequest) -> WorkerClient:
         """A serving worker for req: among those the fleet's fairness allows (router/pick.py), for prefill
         the one most likely to hold the prompt's prefix in its cache unless that one is much busier
         (router/affinity.py), else the least loaded (ties at random). None serving: 503 with each worker's state
@@ -250,7 +250,7 @@ class DisaggBackend:
         return random.choice([w for w in live if w.inflight == least])
 
     # -- one request ----------------------------------------------------------------------------------
-    def _pinned(self, pool: list[WorkerClient], role: str, endpoint: str) -> WorkerClient:
+    def _pinned(self, pool: list[WorkerClient], role: Role, endpoint: str) -> WorkerClient:
         """The serving worker at `endpoint` (kvseal doctor's probe of one pair); 503 when it is not serving."""
         for w in pool:
             if w.endpoint == endpoint and w.alive:
@@ -262,10 +262,12 @@ class DisaggBackend:
         """One request, along the protocol (router/disagg_request.py). pin: (prefill endpoint, decode endpoint)
         to use instead of the pairing policy (kvseal doctor)."""
         def pick_prefill() -> WorkerClient:
-            return self._pinned(self.prefills, "prefill", pin[0]) if pin else self._pick(self.prefills, "prefill", req)
+            pool = self.prefills
+            return self._pinned(pool, Role.PREFILL, pin[0]) if pin else self._pick(pool, Role.PREFILL, req)
 
         def pick_decode() -> WorkerClient:
-            return self._pinned(self.decodes, "decode", pin[1]) if pin else self._pick(self.decodes, "decode", req)
+            pool = self.decodes
+            return self._pinned(pool, Role.DECODE, pin[1]) if pin else self._pick(pool, Role.DECODE, req)
 
         r = DisaggRequest(req, self.timeouts)
         self.requests[req.request_id] = r  # from here on, the workers' connections hand its frames to r
