@@ -58,8 +58,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="require a bearer key on every route but /health: FILE has one `TENANT KEY` line per key "
                         "(# comments), optionally followed by the tenant's settings: weight=W priority_class=N "
-                        "max_concurrent=N rpm=N tpm=N kv_share=F (README: Tenants); the tenant keys the prefix "
-                        "cache. `TENANT KEY admin` marks an admin key: only "
+                        "max_concurrent=N rpm=N tpm=N kv_share=F store_mb=M (docs/tenants.md); the tenant keys the "
+                        "prefix cache. `TENANT KEY admin` marks an admin key: only "
                         "those see the fleet's internals (/info's workers, /metrics, /doctor/probe); a tenant's "
                         "/info shows the model, the window and its own requests. Without it: no keys, one tenant, "
                         "everyone sees everything")
