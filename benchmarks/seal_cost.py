@@ -48,8 +48,7 @@ def run_workload(engine: Engine, prompts: list[list[int]], new_tokens: int, tag:
 def handoff_share(engine: Engine, prompt: list[int]) -> tuple[float, float]:
     """(checksum seconds for both sides, prefill seconds) for one prompt of this length."""
     t0 = time.perf_counter()
-    engine.add_request(GenerateRequest("handoff", prompt, SamplingParams(max_tokens=2, temperature=0.0)))  # pages held
-    seq = engine.seqs["handoff"]
+    seq = engine.add_request(GenerateRequest("handoff", prompt, SamplingParams(max_tokens=2, temperature=0.0)))
     while seq.num_computed < len(prompt):
         engine.step()
     t_prefill = time.perf_counter() - t0

@@ -44,7 +44,7 @@ def run(ck: Checkpoint, prompt: list[int], new: int, window_pages: bool, arithme
             out += d.token_ids
             if d.error is not None:
                 raise SystemExit(f"the request failed: {d.error.message}")
-        seq = e.seqs.get("long")
+        seq = e.request("long")
         if seq is not None:
             held = (len(seq.pages), len(seq.window_pages))
             most_window = max(most_window, len(seq.window_pages))

@@ -6,25 +6,28 @@ emitted only after its pages were scrubbed and freed (seals 6 and 8).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Pages
 from functools import partial
+from typing import TypeVar
 
 import torch
 
 from kvseal.config import EngineConfig
 from kvseal.engine.connector import KVConnector
-from kvseal.engine.devices import DTYPES, resolve_device, resolve_kv_dtype
-from kvseal.engine.figures import engine_figures, engine_info
+from kvseal.engine.devices import place
+from kvseal.engine.figures import engine_card, engine_figures, engine_info
+from kvseal.engine.kv_decode import DecodeConnector
+from kvseal.engine.kv_prefill import PrefillConnector
 from kvseal.engine.output import final_delta, next_delta, take_token
 from kvseal.engine.params import check_request, check_window
 from kvseal.engine.pools import build_pools
-from kvseal.engine.runner import ModelRunner
+from kvseal.engine.requests import Requests
+from kvseal.engine.runner import ModelRunner, StepResult
 from kvseal.engine.sampling import sample
-from kvseal.engine.scheduler import Scheduler
-from kvseal.engine.sequence import Sequence
+from kvseal.engine.scheduler import Batch, Scheduler
+from kvseal.engine.sequence import Route, Sequence
 from kvseal.engine.structured import Grammars
 from kvseal.errors import (
     InternalError,
@@ -34,8 +37,6 @@ from kvseal.errors import (
     PageOwnershipViolation,
     RequestAborted,
 )
-from kvseal.kernels.arithmetic import resolve_arithmetic
-from kvseal.kernels.build import resolve as resolve_kernels
 from kvseal.kernels.memory import keep_freed_pages
 from kvseal.kv.allocator import PageAllocator
 from kvseal.kv.prefix_cache import PrefixCache, namespace_id, namespace_root, page_keys
@@ -46,11 +47,15 @@ from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.detokenize import IncrementalDecoder
 from kvseal.model.llama import LlamaModel
 from kvseal.model.loader import load_checkpoint
+from kvseal.wire.card import WorkerCard
 from kvseal.wire.kvspec import KVSpec
 from kvseal.wire.messages import GenerateDelta, GenerateRequest, TokenLogprob
 from kvseal.wire.roles import Role
 
-log = logging.getLogger("kvseal.engine")
+C = TypeVar("C", bound=KVConnector)
+# what each role adds to the one Engine (engine/connector.py): the engine builds its own from its role
+CONNECTORS: dict[Role, type[KVConnector]] = {Role.UNIFIED: KVConnector, Role.PREFILL: PrefillConnector,
+                                             Role.DECODE: DecodeConnector}
 
 
 class Engine:
@@ -60,20 +65,11 @@ class Engine:
         ckpt = ckpt if ckpt is not None else load_checkpoint(cfg.model.path)
         self.ckpt_name, self.fingerprint, self.tokenizer = ckpt.name, ckpt.fingerprint, ckpt.tokenizer
         self.arch = arch = ckpt.arch
-        self.device = resolve_device(cfg.model.device)
-        self.dtype = DTYPES[cfg.model.dtype]
-        self.kernels, why = resolve_kernels(cfg.model.kernels, self.device.type, cfg.model.dtype, arch)
+        at = place(cfg, ckpt)  # engine/devices.py
+        self.device, self.dtype, self.kv_dtype, self.kernels, self.arithmetic = (
+            at.device, at.dtype, at.kv_dtype, at.kernels, at.arithmetic)
         # the window the model supports and the operator allows (the pool may hold less: context_window)
         self.model_window = model_window = min(arch.max_position, cfg.model.max_model_len or arch.max_position)
-        self.arithmetic = resolve_arithmetic(cfg.model.arithmetic, self.kernels, why, arch, cfg.cache.page_size,
-                                             ckpt.block_types())
-        log.info("arithmetic: %s%s (%s)", self.arithmetic.name,
-                 f" on {self.arithmetic.isa}" if self.arithmetic.isa else "", self.arithmetic.why)
-        self.kv_dtype = DTYPES[resolve_kv_dtype(cfg.cache.kv_dtype, cfg.model.dtype, self.arithmetic.fast)]
-        if self.kv_dtype != self.dtype and not self.arithmetic.fast and self.kernels == "native":
-            raise ValueError(f"--kv-dtype {cfg.cache.kv_dtype} with --dtype {cfg.model.dtype} needs the fast "
-                             "arithmetic or --kernels torch (the exact native kernels read float32 KV). Fix: "
-                             "--arithmetic fast, or drop --kv-dtype")
         self.model = LlamaModel(ckpt, self.dtype, self.device, native=self.kernels == "native",
                                 fast=self.arithmetic.fast, max_model_len=model_window)
         self.pages_scrubbed = 0  # seal 6, for /info and /metrics
@@ -98,15 +94,15 @@ class Engine:
                               kv_dtype=str(self.kv_dtype).removeprefix("torch."), kv_layout=self.kv_layout)
         # The served window: what the model supports, the operator allows, and the pool can hold.
         self.context_window = min(model_window, self.pool.capacity_tokens)
-        self.scheduler = Scheduler(cfg.scheduler, self.allocator, cfg.cache.page_size, self.prefix_cache, self.window)
+        # the one home of this engine's requests (engine/requests.py): a request's state is its Sequence, and nothing
+        # keyed by its id is kept anywhere else, by the engine or by its worker
+        self.requests = Requests()
+        self.scheduler = Scheduler(cfg.scheduler, self.allocator, cfg.cache.page_size, self.requests,
+                                   self.prefix_cache, self.window)
         self.runner = ModelRunner(self.model, self.pool, self.allocator, self.window)
         self.grammars = Grammars(self.tokenizer, arch.vocab_size, cfg.grammar)  # response_format (structured.py)
-        # the one home of this engine's live requests: a request's state is its Sequence (and nothing keyed by its
-        # id elsewhere); it leaves at its end, with its final delta
-        self.seqs: dict[str, Sequence] = {}
-        # a disaggregated role's handoff (engine/connector.py): a connector attaches itself (kv_prefill, kv_decode)
-        self.kv = KVConnector()
-        self._out: list[GenerateDelta] = []
+        self.kv = CONNECTORS[role](self)  # a disaggregated role's handoff (engine/connector.py)
+        self._out: list[tuple[Sequence, GenerateDelta]] = []  # each delta with the request it is for (its route)
         self._rng = torch.Generator().manual_seed(cfg.seed)
         # (threads for small steps, threads for steps of at least `big` tokens, big): an engine that shares its
         # process with the HTTP server leaves it a core on decode steps and takes them all for prompt chunks
@@ -129,25 +125,105 @@ class Engine:
     def figures(self) -> dict[str, object]:
         return engine_figures(self)
 
+    def card(self, **worker: object) -> WorkerCard:
+        """This engine's part of its worker's card (wire/card.py), with the worker's own fields."""
+        return engine_card(self, **worker)
+
+    def connector(self, kind: type[C]) -> C:
+        """The connector this engine built from its role, as the worker of that role uses it."""
+        assert isinstance(self.kv, kind), f"a {self.role} engine has no {kind.__name__}"
+        return self.kv
+
+    def set_worker(self, endpoint: str) -> None:
+        """The worker serving this engine names itself (the ledger's rows say where a request ran)."""
+        if self.forensics is not None:
+            self.forensics.worker = endpoint
+
+    def on_first_scheduled(self, observe: Callable[[float], None]) -> None:
+        """Metrics: called with the seconds from arrival to first scheduled, for each request."""
+        self.scheduler.on_first_scheduled = observe
+
+    def close(self) -> None:
+        self.grammars.close()  # its compiler processes end with it
+        if self.ledger is not None:
+            self.ledger.close()
+
+    # -- its requests (engine/requests.py) ---------------------------------------------------------
     def has_work(self) -> bool:
         """True while a step would do something: sequences to run or outputs to hand out."""
         return self.scheduler.num_unfinished > 0 or bool(self._out) or self.grammars.busy or bool(self.compiling())
 
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def request(self, request_id: str) -> Sequence | None:
+        """The live request with this id (queued ones too)."""
+        return self.requests.live(request_id)
+
+    def inflight(self) -> int:
+        """Live requests, queued ones included."""
+        return len(self.requests)
+
+    def queued(self) -> int:
+        """Reservations waiting for pages (decode)."""
+        return len(self.requests.queued())
+
+    def routed_to(self, ident: bytes) -> list[Sequence]:
+        return self.requests.routed_to(ident)
+
     def compiling(self) -> list[Sequence]:
         """Admitted, outside the scheduler (holding no pages; decode: holding its verified KV), waiting for their
         grammar to compile: the batch keeps stepping meanwhile."""
-        return [s for s in self.seqs.values() if s.after_grammar is not None]
+        return [s for s in self.requests if s.after_grammar is not None]
 
-    # -- requests ------------------------------------------------------------------------------------
+    # -- requests in -------------------------------------------------------------------------------
     def validate(self, num_prompt: int, max_tokens: int) -> None:
         check_window(num_prompt, max_tokens, self.context_window)
 
-    def add_request(self, req: GenerateRequest) -> None:
-        seq = self.admit(req)
-        if seq.life.terminal:
-            self._out.append(final_delta(seq))
-        else:
+    def add_request(self, req: GenerateRequest, route: Route | None = None) -> Sequence:
+        """Admit req into the batch (once its grammar is compiled). Refused, it ends at once: its final delta says
+        why."""
+        seq = self.receive(req, route)
+        if not seq.life.terminal and self.admit(seq):
             self.with_grammar(seq, partial(self.scheduler.add, seq))
+        else:
+            self._out.append((seq, final_delta(seq)))
+        return seq
+
+    def receive(self, req: GenerateRequest, route: Route | None = None) -> Sequence:
+        """req's Sequence, RECEIVED and in `requests` (decode: queued until pages are reserved); REJECTED, and kept
+        nowhere, when its id is in use here."""
+        seq = Sequence(req, self.allocator.new_owner(), IncrementalDecoder(self.tokenizer), 0)
+        seq.route = route
+        if self.requests.known(req.request_id) is not None:
+            seq.life.reject(InvalidRequest(f"request id {req.request_id!r} is already in use"))
+        else:
+            self.requests.add(seq)
+        return seq
+
+    def admit(self, seq: Sequence) -> bool:
+        """Validate a received request (ADMITTED). A refused one is REJECTED and leaves `requests`: its caller
+        answers it (a final delta; decode: the reservation's refusal)."""
+        req = seq.request
+        seq.seed = req.params.seed if req.params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._rng).item())
+        seq.arrival = time.monotonic()
+        root = namespace_root(req.tenant, req.cache_salt)
+        seq.cache_ns = namespace_id(root)
+        if self.prefix_cache.enabled:
+            seq.cache_keys = page_keys(root, req.prompt_ids, self.pool.page_size)
+        try:
+            check_request(req, self.context_window, self.arch.vocab_size)  # engine/params.py
+            if len(self.scheduler.waiting) + len(self.compiling()) >= self.cfg.scheduler.max_waiting:
+                raise Overloaded("the server is overloaded: too many queued requests; retry later")
+            if req.params.response_format is not None:  # too large or malformed: refused here, nothing compiles
+                self.grammars.compiled(req.tenant, req.params.response_format)  # starts its compile
+        except KvsealError as err:
+            seq.life.reject(err)
+            self.requests.drop(seq)
+            return False
+        seq.life.advance(State.ADMITTED)
+        return True
 
     def with_grammar(self, seq: Sequence, then: Callable[[], None]) -> None:
         """Run `then` once seq's grammar is compiled and its matcher set (at once without a response_format or with
@@ -166,72 +242,69 @@ class Engine:
             seq.grammar = self.grammars.matcher(got)
             then()
 
-    def _grammars_arrived(self) -> None:
-        """Take in the compiles that ended; the requests that waited for them join the batch (or end). With nothing
-        else to run, waits a little for one (the loop would only spin)."""
-        if not self.grammars.busy:
-            return
-        if self.grammars.poll(wait=0.0 if self.scheduler.num_unfinished else 0.02):
-            for seq in self.compiling():
-                assert seq.after_grammar is not None
-                self.with_grammar(seq, seq.after_grammar)
+    def join_batch(self, seq: Sequence, first_token: int, first_logprob: TokenLogprob | None) -> None:
+        """A request whose prompt's KV is in its pages (decode: verified) joins the batch with its first token."""
+        seq.first_scheduled = time.monotonic()
+        self.scheduler.add(seq)
+        self._append(seq, first_token, first_logprob)
 
-    def admit(self, req: GenerateRequest) -> Sequence:
-        """Validate and register a request (ADMITTED). A refused one comes back REJECTED and unregistered: its
-        caller answers it (a final delta; decode: the reservation's refusal)."""
-        seed = req.params.seed
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng).item())
-        seq = Sequence(req, self.allocator.new_owner(), IncrementalDecoder(self.tokenizer), seed)
-        root = namespace_root(req.tenant, req.cache_salt)
-        seq.cache_ns = namespace_id(root)
-        if self.prefix_cache.enabled:
-            seq.cache_keys = page_keys(root, req.prompt_ids, self.pool.page_size)
-        try:
-            check_request(req, self.context_window, self.arch.vocab_size)  # engine/params.py
-            if req.request_id in self.seqs:
-                raise InvalidRequest(f"request id {req.request_id!r} is already in use")
-            if len(self.scheduler.waiting) + len(self.compiling()) >= self.cfg.scheduler.max_waiting:
-                raise Overloaded("the server is overloaded: too many queued requests; retry later")
-            if req.params.response_format is not None:  # too large or malformed: refused here, nothing compiles
-                self.grammars.compiled(req.tenant, req.params.response_format)  # starts its compile
-        except KvsealError as err:
-            seq.life.reject(err)
-            return seq
-        seq.life.advance(State.ADMITTED)
-        self.seqs[req.request_id] = seq
-        return seq
-
+    # -- requests out ------------------------------------------------------------------------------
     def abort(self, request_id: str, cause: KvsealError | None = None) -> None:
-        seq = self.seqs.get(request_id)
-        if seq is None:
-            return
-        self.end(seq, partial(seq.life.abort, cause or RequestAborted(f"request {request_id} was aborted")))
+        seq = self.requests.live(request_id)
+        if seq is not None:
+            self.end(seq, partial(seq.life.abort, cause or RequestAborted(f"request {request_id} was aborted")))
 
     def fail(self, request_id: str, error: KvsealError) -> None:
         """End one live request FAILED with `error`, pages freed; an unknown or ended request: nothing."""
-        seq = self.seqs.get(request_id)
+        seq = self.requests.live(request_id)
         if seq is not None:
             self.end(seq, partial(seq.life.fail, error))
 
-    def fail_all(self, error: KvsealError) -> list[GenerateDelta]:
-        """After an internal fault: end every live request FAILED with `error`, pages freed. Each leaves `seqs`, the
-        one home of its handoff state too (reservation, handoff), so a late peer message finds nothing."""
-        for seq in list(self.seqs.values()):
+    def fail_all(self, error: KvsealError) -> None:
+        """After an internal fault: end every request here FAILED with `error`, pages freed; their final deltas wait
+        in the output. Each leaves `requests`, the one home of its handoff state too, so a late peer message finds
+        nothing. A reservation still waiting for pages (decode) took no part in the fault: it stays queued."""
+        for seq in self.requests.here():
             self.end(seq, partial(seq.life.fail, error))
+
+    def take_output(self) -> list[GenerateDelta]:
+        """The deltas produced since the last take (in a step, or between steps: decode's first token)."""
+        return [d for _, d in self.take_addressed()]
+
+    def take_addressed(self) -> list[tuple[Sequence, GenerateDelta]]:
+        """The same, each with its Sequence: a worker reads where it goes (`Sequence.route`), ended or not."""
         out, self._out = self._out, []
         return out
 
-    def take_output(self) -> list[GenerateDelta]:
-        """The deltas produced between steps (decode: a verified request's first token), handed out at once."""
-        out, self._out = self._out, []
-        return out
+    def end(self, seq: Sequence, terminate: Callable[[], bool]) -> None:
+        """Move seq to a terminal state, free (and scrub) its pages, then emit its one final delta. The connector
+        may keep the pages (bytes may still land in them): seq stays in `requests`, quarantined, until that is over.
+        A reservation still queued (decode) holds nothing and leaves without a delta: its worker answers it."""
+        queued = seq.life.state is State.RECEIVED
+        if not terminate():
+            return
+        if queued:
+            self.requests.drop(seq)
+            return
+        seq.after_grammar = None
+        if not self.kv.request_finished(seq):
+            self.scheduler.remove(seq)
+            self.requests.drop(seq)
+        if self.forensics is not None:
+            error = seq.life.outcome.error if seq.life.outcome is not None else None
+            self.forensics.row(seq, seq.life.state.value, error.code if error is not None else None)
+        self._out.append((seq, final_delta(seq)))
 
     # -- one step ------------------------------------------------------------------------------------
     def step(self) -> list[GenerateDelta]:
+        """One step of the batch; the deltas it produced (and any produced since the last take)."""
+        self.advance()
+        return self.take_output()
+
+    def advance(self) -> None:
+        """One step: compiled grammars in, requests refused pages too long out, then the batch runs and samples."""
         self._grammars_arrived()
-        now = time.monotonic()
-        for seq in self.scheduler.expired(now):
+        for seq in self.scheduler.expired(time.monotonic()):
             self.end(seq, partial(seq.life.reject, Overloaded(
                 f"no KV pages became free within {self.cfg.scheduler.wait_timeout_s:g}s; retry later")))
         batch, preempted = self.scheduler.schedule()
@@ -241,42 +314,52 @@ class Engine:
             if seq.life.state is State.ADMITTED:
                 seq.life.advance(State.PREFILLING)
         if batch.seqs:
-            if self.step_threads is not None:
-                self._set_step_threads(sum(batch.num_new))
-            result = self.runner.run(batch)
-            self.ownership_violations += len(result.violations)
-            for seq in result.violations:
-                self.end(seq, partial(seq.life.fail, PageOwnershipViolation(
-                    f"request {seq.request_id}: its page table names pages it does not own; no output")))
-            for seq, n in zip(batch.seqs, batch.num_new):
-                if seq in result.violations:
-                    continue
-                if self.forensics is not None:
-                    self.forensics.after_step(seq, n)
-                self.scheduler.drop_out_of_window(seq)  # sliding layers' pages no later query sees (kv/window.py)
-                # the step that completed the prompt: its full pages are final (never written again) -> cache
-                if seq.cache_keys and seq.num_computed - n < len(seq.prompt_ids) <= seq.num_computed:
-                    self._cache_prompt(seq)
+            result = self._run(batch)
             if result.logits is not None:
-                # logprobs from the model's own distribution, not the grammar's mask (as vLLM): the unmasked rows
-                raw = result.logits.clone() if any(s.grammar is not None and s.params.logprobs is not None
-                                                   for s in result.sampled) else result.logits
-                self.grammars.mask(result.logits, [s.grammar for s in result.sampled])
-                tokens, lps = sample(result.logits, [s.params for s in result.sampled],
-                                     [s.seed for s in result.sampled],
-                                     [len(s.output_ids) for s in result.sampled], raw)
-                for seq, tok, lp in zip(result.sampled, tokens, lps):
-                    if self.kv.after_prefill(seq, tok, lp):  # prefill: decode takes it from here
-                        self.scheduler.park(seq)  # out of the batch; its pages stay owned until the handoff ends
-                    else:
-                        self._append(seq, tok, lp)
-        out, self._out = self._out, []
-        return out
+                self._sample(result)
 
-    def _cache_prompt(self, seq: Sequence) -> None:
-        # past the seal-5 check every page here is seq's own or held by it: insert() cannot raise NotOwner
-        full = len(seq.prompt_ids) // self.pool.page_size
-        self.prefix_cache.insert(seq.owner, seq.cache_ns, seq.cache_keys[:full], seq.pages[:full])
+    def _run(self, batch: Batch) -> StepResult:
+        """The forward pass; a sequence whose page table names pages it does not own fails (seal 5). After it, each
+        sequence's ledger record, its sliding window's dropped pages, and a completed prompt's pages cached."""
+        if self.step_threads is not None:
+            self._set_step_threads(sum(batch.num_new))
+        result = self.runner.run(batch)
+        self.ownership_violations += len(result.violations)
+        for seq in result.violations:
+            self.end(seq, partial(seq.life.fail, PageOwnershipViolation(
+                f"request {seq.request_id}: its page table names pages it does not own; no output")))
+        for seq, n in zip(batch.seqs, batch.num_new):
+            if seq in result.violations:
+                continue
+            if self.forensics is not None:
+                self.forensics.after_step(seq, n)
+            self.scheduler.after_step(seq, n)
+        return result
+
+    def _sample(self, result: StepResult) -> None:
+        """The next token of each sequence due one. Logprobs from the model's own distribution, not the grammar's
+        mask (as vLLM): the unmasked rows. Prefill: the connector takes a sequence with its first token."""
+        assert result.logits is not None
+        raw = result.logits.clone() if any(s.grammar is not None and s.params.logprobs is not None
+                                           for s in result.sampled) else result.logits
+        self.grammars.mask(result.logits, [s.grammar for s in result.sampled])
+        tokens, lps = sample(result.logits, [s.params for s in result.sampled], [s.seed for s in result.sampled],
+                             [len(s.output_ids) for s in result.sampled], raw)
+        for seq, tok, lp in zip(result.sampled, tokens, lps):
+            if self.kv.after_prefill(seq, tok, lp):  # prefill: decode takes it from here
+                self.scheduler.park(seq)  # out of the batch; its pages stay owned until the handoff ends
+            else:
+                self._append(seq, tok, lp)
+
+    def _grammars_arrived(self) -> None:
+        """Take in the compiles that ended; the requests that waited for them join the batch (or end). With nothing
+        else to run, waits a little for one (the loop would only spin)."""
+        if not self.grammars.busy:
+            return
+        if self.grammars.poll(wait=0.0 if self.scheduler.num_unfinished else 0.02):
+            for seq in self.compiling():
+                assert seq.after_grammar is not None
+                self.with_grammar(seq, seq.after_grammar)
 
     def _set_step_threads(self, tokens: int) -> None:
         assert self.step_threads is not None
@@ -288,12 +371,6 @@ class Engine:
             set_threads(n)
             self._threads_now = n
 
-    def join_batch(self, seq: Sequence, first_token: int, first_logprob: TokenLogprob | None) -> None:
-        """A request whose prompt's KV is in its pages (decode: verified) joins the batch with its first token."""
-        seq.first_scheduled = time.monotonic()
-        self.scheduler.add(seq)
-        self._append(seq, first_token, first_logprob)
-
     def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> None:
         if seq.life.state in (State.PREFILLING, State.VERIFIED):
             seq.life.advance(State.DECODING)
@@ -303,20 +380,6 @@ class Engine:
             return
         reason = take_token(seq, tok, lp, self.tokenizer.eos_ids, self.context_window)
         if reason is None:
-            self._out.append(next_delta(seq))
+            self._out.append((seq, next_delta(seq)))
         else:
             self.end(seq, partial(seq.life.finish, reason))
-
-    def end(self, seq: Sequence, terminate: Callable[[], bool]) -> None:
-        """Move seq to a terminal state, free (and scrub) its pages, then emit its one final delta. The connector
-        may keep the pages (bytes may still land in them): it frees them when that is over."""
-        if not terminate():
-            return
-        seq.after_grammar = None
-        if not self.kv.request_finished(seq):
-            self.scheduler.remove(seq)
-        self.seqs.pop(seq.request_id, None)
-        if self.forensics is not None:
-            error = seq.life.outcome.error if seq.life.outcome is not None else None
-            self.forensics.row(seq, seq.life.state.value, error.code if error is not None else None)
-        self._out.append(final_delta(seq))

@@ -150,16 +150,11 @@ class FairShare:
         more than its own share; of those, the one most over it (pages per weight), its lowest-priority newest."""
         if not self.vtc:
             return None
-        whole = sum(weights.values())
-
-        def share(t: str) -> float:
-            return weights.get(t, 1.0) / whole * total
-
         mine = held.get(tenant, 0)
-        if mine and mine + need > share(tenant):
+        if mine and mine + need > fair_share(weights, tenant, total):
             return None
         candidates = [s for s in running if s.tenant != tenant and s.priority_class >= priority_class
-                      and held.get(s.tenant, 0) > share(s.tenant)]
+                      and held.get(s.tenant, 0) > fair_share(weights, s.tenant, total)]
         if not candidates:
             return None
         worst = max(candidates, key=lambda s: (s.priority_class, held.get(s.tenant, 0) / weights.get(s.tenant, 1.0),
@@ -202,6 +197,12 @@ class FairShare:
                     "weight": b.weight, "queue_seconds": round(b.queue_seconds, 6), "scheduled": b.scheduled,
                     "kv_pages": pages[t], "running": counts[t][0], "waiting": counts[t][1]}
                 for t, b in sorted(self.books.items())}
+
+
+def fair_share(weights: Mapping[str, float], tenant: str, total: int) -> float:
+    """The pages of a pool of `total` that are tenant's fair share: its weight over the weights of the tenants with
+    work here (`weights`; a tenant not among them weighs 1)."""
+    return weights.get(tenant, 1.0) / sum(weights.values()) * total
 
 
 def held_pages(seqs: Iterable[Sequence]) -> defaultdict[str, int]:

@@ -18,6 +18,7 @@ from kvseal.kv.prefix_cache import PrefixCache
 from kvseal.kv.window import WindowPages
 from kvseal.ledger.store import Ledger
 from kvseal.model.arch import ModelArch
+from kvseal.wire.card import WorkerCard
 from kvseal.wire.kvspec import KVSpec
 from kvseal.wire.roles import Role
 
@@ -28,6 +29,7 @@ class EngineView(Protocol):  # what is read here of engine/engine.py's Engine (i
     ckpt_name: str
     kv_spec: KVSpec
     context_window: int
+    model_window: int
     arch: ModelArch
     pool: KVPool
     prefix_cache: PrefixCache
@@ -66,6 +68,18 @@ def engine_info(e: EngineView) -> dict[str, object]:
         "ledger": None if e.ledger is None else str(e.ledger.path),
         **engine_figures(e),
     }
+
+
+def engine_card(e: EngineView, **worker: object) -> WorkerCard:
+    """A worker's card (wire/card.py): what its engine is, and `worker`'s own fields (role, instance, transport,
+    tokenizer digest, test faults, fleet auth, reservation timeout)."""
+    return WorkerCard(
+        model=e.ckpt_name, kv=e.kv_spec, kernels=e.kernels, arithmetic=e.arithmetic.name,
+        arithmetic_isa=e.arithmetic.isa or None, model_window=e.model_window, model_max_position=e.arch.max_position,
+        context_window=e.context_window, pool_pages=e.pool.num_pages, pool_tokens=e.pool.capacity_tokens,
+        kv_bytes_per_token=e.pool.bytes_per_token, kv_scrub=e.cfg.cache.scrub, prefix_cache=e.prefix_cache.enabled,
+        fairness=e.cfg.scheduler.fairness, device=str(e.device),
+        ledger=None if e.ledger is None else str(e.ledger.path), **worker)  # type: ignore[arg-type]
 
 
 def engine_figures(e: EngineView) -> dict[str, object]:

@@ -25,7 +25,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, on_output: Callable[[list[GenerateDelta]], None]) -> None:
         self.engine = engine
         self._on_output = on_output
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvseal-engine", daemon=True)
 
@@ -79,6 +79,7 @@ class EngineLoop:
                 out = self.engine.step()
             except Exception:  # noqa: BLE001 - any engine fault fails its requests, never the loop
                 log.error("engine step failed; failing its requests:\n%s", traceback.format_exc())
-                out = self.engine.fail_all(InternalError("the engine failed while running this request"))
+                self.engine.fail_all(InternalError("the engine failed while running this request"))
+                out = self.engine.take_output()
             if out:
                 self._on_output(out)

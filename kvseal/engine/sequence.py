@@ -7,9 +7,12 @@ A prefix-cache hit is the same rule too: the cached pages come first in `pages` 
 num_computed starts at the end of them; every page written from there on is the sequence's own.
 With a window pool (kv/window.py) the sliding layers' KV is in window_pages, which hold positions from
 window_base * page_size on: the pages before it left the window and were dropped.
-A disaggregated request's handoff lives here too (engine/kv_prefill.py, engine/kv_decode.py): on prefill its
-`handoff` from the first token until decode took the KV; on decode its `reservation` from RESERVED until the
-arrived KV was verified (or the request ended), and `landing` while an in-place transport may write its pages.
+A worker keeps nothing of a request anywhere else (engine/requests.py holds the Sequences): its `route` says which
+router asked and reads its answers; the handoff lives here too (engine/kv_prefill.py, engine/kv_decode.py). On
+prefill its `handoff` from the first token until decode took the KV, with the transfer in flight and the
+`reservation` it goes to; on decode it waits for pages in RECEIVED (queued: it holds none), then its
+`reservation` from RESERVED until the arrived KV was verified (or the request ended), and `landing` while an
+in-place transport may write its pages (ended meanwhile: quarantined, the pages still its own).
 """
 
 from __future__ import annotations
@@ -27,20 +30,36 @@ from kvseal.wire.messages import GenerateRequest, SamplingParams, TokenLogprob
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
+    from kvseal.transfer.base import TransferHandle
     from kvseal.wire.reservation import Reservation
 
 
-@dataclass(frozen=True)
+@dataclass
+class Route:
+    """Which router asked for a worker's request, and where its answers go (None in an engine without a worker)."""
+
+    ident: bytes  # the router's socket identity
+    call_id: int  # the call that brought it: ReserveResp (decode) or PrefillResp (prefill) answers it
+    sent: int = 0  # decode: the deltas sent so far, the number the next one carries
+
+
+@dataclass
 class Handoff:
     """Prefill: the prompt's KV is computed and its first token sampled; decode has not taken the KV yet."""
 
     first_token: int
     first_logprob: TokenLogprob | None
     num_pages: int  # pages holding the prompt's KV: ceil(prompt_len / page_size)
+    due: float | None = None  # when the KV may go (monotonic); None until the worker took it (a hook may hold it)
+    transfer: TransferHandle | None = None  # the send in flight, until decode answers
+    nbytes: int = 0  # what the send carried, for the router's answer: bytes and prompt tokens the cache served
+    cached_tokens: int = 0
+    sent_at: float = 0.0
 
 
 class Sequence:
     def __init__(self, req: GenerateRequest, owner: Owner, decoder: IncrementalDecoder, seed: int) -> None:
+        self.request = req  # as it arrived (admission checks it: engine/params.py)
         self.request_id = req.request_id
         self.prompt_ids: list[int] = list(req.prompt_ids)
         self.params: SamplingParams = req.params
@@ -68,22 +87,30 @@ class Sequence:
         self.sent_chars = 0  # how much of `text` has been emitted
         self.sent_tokens = 0
         self.pending_logprobs: list[TokenLogprob] = []
-        self.arrival = time.monotonic()
+        self.received = time.monotonic()  # reached this worker: a queued reservation waits from here
+        self.arrival = self.received  # admitted (Engine.admit): fairness orders by it, queue time counts from it
         self.first_scheduled: float | None = None
         # since when this waiting sequence has been refused pages at every step it was considered (None
         # while it is not blocked on pages): a queue that is merely busy computing never times out
         self.blocked_since: float | None = None
         # admitted, waiting for its grammar to compile (outside the scheduler): what to do once its matcher is set
         self.after_grammar: Callable[[], None] | None = None
-        # the handoff (None in a unified engine; see the module docstring)
+        # a worker's and the handoff's (None in a unified engine; see the module docstring)
+        self.route: Route | None = None
         self.handoff: Handoff | None = None
-        self.reservation: Reservation | None = None
+        self.reservation: Reservation | None = None  # decode: its own; prefill: the one its KV goes to
         self.reserved_until = 0.0  # decode: the reservation ends then (monotonic) unless renewed or its KV arrived
         self.landing = False
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def decode_tokens(self) -> int:
+        """The tokens one decode step feeds: the last one sampled. The scheduler never caps them and never counts them
+        as a prompt chunk; a request that verifies draft tokens (speculative decoding) feeds them here too."""
+        return 1
 
     def token_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_ids)

@@ -23,6 +23,7 @@ from kvseal.engine.sequence import Sequence
 from kvseal.kv.allocator import CACHED, FREE, PageAllocator
 from kvseal.kv.provenance import PageProvenance, Writer
 from kvseal.ledger.store import Ledger, LedgerRow
+from kvseal.transfer.manifest import KVManifest, PagePayload, PoolPages, page_checksums
 
 _UNCLAIMED = Writer("", "", 0, "transfer")
 
@@ -65,6 +66,21 @@ class Forensics:
         for i, page in enumerate(pages):
             self.prov.wrote(page, 0, ps, _UNCLAIMED)
             self.prov.wrote(page, 0, max(0, min(ps, num_tokens - i * ps)), w)
+
+    def verified(self, seq: Sequence, result: str, m: KVManifest, payload: PagePayload | PoolPages | None,
+                 field: str | None = None) -> None:
+        """A handoff's check, page by page: every page matched (ok), was not checked (the incident fault), or, after
+        a failure, which pages' checksums differed (when the counts allowed comparing; none when refused before a
+        byte moved, an in-place transport's claim)."""
+        if payload is None:
+            pages: list[str] = []
+        elif result == "failed":
+            same = len(m.page_checksums) == payload.num_pages and payload.num_pages > 0 and payload.nbytes > 0
+            got = payload.checksums() if isinstance(payload, PoolPages) else page_checksums(payload) if same else []
+            pages = ["ok" if a == b else "mismatch" for a, b in zip(m.page_checksums, got)] if same else []
+        else:
+            pages = [result] * payload.num_pages
+        self.log_of(seq).verification = {"result": result, "field": field, "pages": pages}
 
     def after_step(self, seq: Sequence, n: int) -> None:
         """seq computed positions num_computed-n..num_computed-1 this step and read 0..num_computed-1."""

@@ -9,35 +9,21 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from kvseal.auth.keys import MemberKeys
 from kvseal.engine.engine import Engine
 from kvseal.engine.kv_prefill import PrefillConnector
-from kvseal.engine.sequence import Sequence
+from kvseal.engine.sequence import Route, Sequence
 from kvseal.errors import InvalidRequest, KvsealError, WorkerFailed
 from kvseal.hooks import Hooks
-from kvseal.kv.allocator import pages_for
-from kvseal.transfer.base import TransferHandle, TransferState, create_transport
+from kvseal.transfer.base import TransferState, create_transport
 from kvseal.wire import protocol as P
 from kvseal.wire.messages import GenerateDelta
-from kvseal.wire.reservation import Reservation
 from kvseal.wire.roles import Role
 from kvseal.worker.server import WorkerServer
 
 log = logging.getLogger("kvseal.prefill")
-
-
-@dataclass
-class _Job:
-    ident: bytes  # the router that asked
-    call_id: int
-    reservation: Reservation
-    handle: TransferHandle | None = None
-    nbytes: int = 0
-    cached_tokens: int = 0
-    sent_at: float = 0.0
 
 
 class PrefillWorker(WorkerServer):
@@ -46,16 +32,14 @@ class PrefillWorker(WorkerServer):
     def __init__(self, engine: Engine, bind: str, hooks: Hooks, transfer_timeout_s: float = 60.0,
                  drain_timeout_s: float = 600.0, kv_transport: str = "zmq", keys: MemberKeys | None = None) -> None:
         super().__init__(engine, bind, hooks, drain_timeout_s, keys)
-        self.kv = PrefillConnector(engine)
+        self.kv = engine.connector(PrefillConnector)
         self.kv_transport = kv_transport
         mutate = self.hooks.outgoing_kv if hooks.spec else None
         # NIXL: each decode worker reads from an export window of its own, never from the pool (transfer/nixl.py)
-        extra = {"export_pages": export_pages(engine)} if kv_transport == "nixl" else {}
+        extra = {"export_pages": self.kv.export_pages()} if kv_transport == "nixl" else {}
         self.transport = create_transport(kv_transport, timeout_s=transfer_timeout_s, mutate=mutate, keys=keys,
                                           **extra)
-        self.transport.register(engine.pool.k, engine.pool.v)
-        self.jobs: dict[str, _Job] = {}
-        self._held: list[tuple[float, Sequence]] = []  # handoffs a hook holds back (hold_handoff_s)
+        self.kv.register(self.transport)
 
     def figures(self) -> dict[str, Any]:
         return {**super().figures(), **self.kv_figures()}
@@ -69,113 +53,99 @@ class PrefillWorker(WorkerServer):
         match msg:
             case P.PrefillReq(call_id=cid, request=req, reservation=res):
                 self.counters["requests_received"] += 1
-                rid = req.request_id
-                if rid in self.jobs or rid in self.engine.seqs:
-                    raise InvalidRequest(f"request {rid} is already being prefilled")
-                self.jobs[rid] = _Job(ident, cid, res)
+                if self.engine.is_live(req.request_id):
+                    raise InvalidRequest(f"request {req.request_id} is already being prefilled")
                 try:
                     req = self.hooks.admit_prefill(req, self.engine.context_window)
                 except KvsealError as err:
-                    self._answer(rid, "rejected", err)
+                    self.send(ident, P.PrefillResp(call_id=cid, request_id=req.request_id, state="rejected",
+                                                   error=err.to_info()))
                     return
-                self.engine.add_request(req)
-                if self.engine.forensics is not None and rid in self.engine.seqs:
-                    self.engine.forensics.log_of(self.engine.seqs[rid]).reservation_id = res.reservation_id
+                self.kv.prefill(req, Route(ident, cid), res)
             case P.AbortReq(request_id=rid, error=err):
-                job = self.jobs.pop(rid, None)
-                if job is not None and job.handle is not None:
-                    self.transport.abort(job.handle)
+                seq = self.engine.request(rid)
+                if seq is not None:
+                    self._forget_route(seq)  # aborted by its router: nothing to answer
                 self.engine.abort(rid, KvsealError.from_info(err))
             case _:
                 super().handle(ident, msg)
 
     def busy(self) -> bool:
-        return bool(self._held) or any(j.handle is not None for j in self.jobs.values())
-
-    def inflight(self) -> int:
-        return len(self.engine.seqs) + len(self.jobs)
-
-    def is_live(self, request_id: str) -> bool:
-        return request_id in self.engine.seqs or request_id in self.jobs
+        """Handoffs the worker took: held back by a hook, or in flight."""
+        return any(s.handoff is not None and s.handoff.due is not None for s in self.kv.handoffs())
 
     def peer_lost(self, ident: bytes) -> None:
         err = WorkerFailed("the router stopped reading; this request ended on the prefill worker")
-        for rid in [rid for rid, job in self.jobs.items() if job.ident == ident]:
-            job = self.jobs.pop(rid)
-            if job.handle is not None:
-                self.transport.abort(job.handle)
-            self.engine.fail(rid, err)
+        for seq in self.engine.routed_to(ident):
+            self._forget_route(seq)
+            self.engine.fail(seq.request_id, err)
 
-    def route(self, out: list[GenerateDelta]) -> None:
+    def route(self, out: list[tuple[Sequence, GenerateDelta]]) -> None:
         # A prefill engine emits deltas only for requests that ended before any handoff (rejected,
         # aborted, failed): answer with the original error. Nothing was sent for them.
-        for d in out:
+        for seq, d in out:
             if d.final is not None and d.error is not None:
-                self._answer(d.request_id, d.final, KvsealError.from_info(d.error))
+                self._answer(seq, d.final, KvsealError.from_info(d.error))
 
     def pump(self) -> None:
         self.transport.tend()  # late answers from decode release the pages it was offered
         now = time.monotonic()
-        ready = self.kv.take_ready()
-        for seq in ready:
-            job = self.jobs.get(seq.request_id)
-            if job is not None:
-                self.send(job.ident, P.HandoffStarted(request_id=seq.request_id))
-        self._held += [(now + self.hooks.hold_handoff_s(), seq) for seq in ready]
-        due = [seq for t, seq in self._held if t <= now]
-        self._held = [(t, seq) for t, seq in self._held if t > now]
-        for seq in due:
-            self._send(seq)
-        for rid, job in list(self.jobs.items()):
-            if job.handle is None:
-                continue
-            status = self.transport.poll(job.handle)
-            if not status.done:
-                continue
-            if status.state is TransferState.ACKED:
-                self.counters["transfers_acked"] += 1
-                self.metrics.transfer_seconds.observe(time.monotonic() - job.sent_at)
-                self.kv.end_handoff(rid, None)
-                self._answer(rid, "handed_off", None)
-            else:
-                self.counters["transfers_refused"] += 1
-                assert status.error is not None
-                # FAILED here too, pages freed; route() answers the router with decode's original error
-                self.kv.end_handoff(rid, KvsealError.from_info(status.error))
+        for seq in self.kv.take_ready():  # handed off this turn: the router hears it; a hook may hold it back
+            assert seq.handoff is not None and seq.route is not None
+            self.send(seq.route.ident, P.HandoffStarted(request_id=seq.request_id))
+            seq.handoff.due = now + self.hooks.hold_handoff_s()
+        for seq in self.kv.handoffs():
+            assert seq.handoff is not None
+            if seq.handoff.transfer is None and seq.handoff.due is not None and seq.handoff.due <= now:
+                self._send(seq)
+            if seq.handoff.transfer is not None:
+                self._poll(seq)
 
     def _send(self, seq: Sequence) -> None:
-        rid = seq.request_id
-        job = self.jobs.get(rid)
-        if job is None:  # aborted meanwhile
-            self.kv.end_handoff(rid, None)
-            return
-        if seq.handoff is None:  # ended while a hook held it back
-            return
-        manifest, payload = self.kv.package(seq, job.reservation, staged=self.transport.staged)
-        job.handle = self.transport.send(job.reservation.kv_endpoint, manifest, payload,
-                                         server_key=job.reservation.kv_key or None,
-                                         session=job.reservation.kv_session or None)
-        job.nbytes, job.cached_tokens, job.sent_at = payload.nbytes, seq.cached_tokens, time.monotonic()
+        h, res = seq.handoff, seq.reservation
+        assert h is not None and res is not None
+        manifest, payload = self.kv.package(seq, res, staged=self.transport.staged)
+        h.transfer = self.transport.send(res.kv_endpoint, manifest, payload, server_key=res.kv_key or None,
+                                         session=res.kv_session or None)
+        h.nbytes, h.cached_tokens, h.sent_at = payload.nbytes, seq.cached_tokens, time.monotonic()
         self.counters["kv_bytes_sent"] += payload.nbytes
 
-    def _answer(self, rid: str, state: str, err: KvsealError | None) -> None:
-        job = self.jobs.pop(rid, None)
-        if job is None:
+    def _poll(self, seq: Sequence) -> None:
+        """Decode's answer: acknowledged (decode owns the request now: pages freed, the router answered) or refused
+        (FAILED here too, pages freed; route() answers the router with decode's original error)."""
+        h = seq.handoff
+        assert h is not None and h.transfer is not None
+        status = self.transport.poll(h.transfer)
+        if not status.done:
             return
-        if job.handle is not None:
-            self.transport.abort(job.handle)  # a late answer from decode changes nothing now
-        self.send(job.ident, P.PrefillResp(call_id=job.call_id, request_id=rid, state=state,
-                                           error=None if err is None else err.to_info(), kv_bytes_sent=job.nbytes,
-                                           cached_tokens=job.cached_tokens))
+        if status.state is TransferState.ACKED:
+            self.counters["transfers_acked"] += 1
+            self.metrics.transfer_seconds.observe(time.monotonic() - h.sent_at)
+            self.kv.end_handoff(seq.request_id, None)
+            self._answer(seq, "handed_off", None)
+        else:
+            self.counters["transfers_refused"] += 1
+            assert status.error is not None
+            self.kv.end_handoff(seq.request_id, KvsealError.from_info(status.error))
+
+    def _answer(self, seq: Sequence, state: str, err: KvsealError | None) -> None:
+        """The router's one answer for seq (PrefillResp)."""
+        route, h = seq.route, seq.handoff
+        if route is None:
+            return
+        self._forget_route(seq)
+        self.send(route.ident, P.PrefillResp(call_id=route.call_id, request_id=seq.request_id, state=state,
+                                             error=None if err is None else err.to_info(),
+                                             kv_bytes_sent=0 if h is None else h.nbytes,
+                                             cached_tokens=0 if h is None else h.cached_tokens))
+
+    def _forget_route(self, seq: Sequence) -> None:
+        """seq's router is answered, or asks for nothing more: a transfer in flight is dropped (a late answer from
+        decode changes nothing now)."""
+        seq.route = None
+        if seq.handoff is not None and seq.handoff.transfer is not None:
+            self.transport.abort(seq.handoff.transfer)
 
     def close(self) -> None:
         self.transport.close()
         super().close()
-
-
-def export_pages(engine: Engine) -> int:
-    """Pages of the NIXL export window for each decode worker: room for two prompts of the whole context window,
-    or a quarter of the pool if that is more, never more than the pool. An offer that finds it full waits for
-    decode's answers (up to the transfer timeout); memory: this many pages per decode worker, beside the pool."""
-    pool = engine.pool.num_pages
-    return min(pool, max(2 * pages_for(engine.context_window, engine.pool.page_size), pool // 4))

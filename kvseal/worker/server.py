@@ -24,6 +24,7 @@ from kvseal.auth.curve import as_server
 from kvseal.auth.keys import MemberKeys
 from kvseal.auth.zap import ZapHandler
 from kvseal.engine.engine import Engine
+from kvseal.engine.sequence import Sequence
 from kvseal.errors import InternalError, InvalidRequest, KvsealError, WorkerDraining
 from kvseal.hooks import Hooks
 from kvseal.identity import new_instance_id, tokenizer_digest
@@ -57,8 +58,7 @@ class WorkerServer:
         self.ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.ctrl.bind(bind)
         self.endpoint = self.ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
-        if engine.forensics is not None:
-            engine.forensics.worker = self.endpoint
+        engine.set_worker(self.endpoint)
         self.outbox = Outbox(self.ctrl)
         self.poller = zmq.Poller()
         self.poller.register(self.ctrl, zmq.POLLIN)
@@ -89,15 +89,9 @@ class WorkerServer:
 
     def card(self) -> WorkerCard:
         """What this worker is (wire/card.py): the router's fleet check compares it with the fleet's."""
-        e = self.engine
-        return WorkerCard(
-            role=self.role, model=e.ckpt_name, instance=self.instance, kv=e.kv_spec, kernels=e.kernels,
-            arithmetic=e.arithmetic.name, arithmetic_isa=e.arithmetic.isa or None, kv_transport=self.kv_transport,
-            tokenizer_digest=self.tokenizer_digest, test_faults=self.hooks.spec, model_window=e.model_window,
-            model_max_position=e.arch.max_position, context_window=e.context_window, pool_pages=e.pool.num_pages,
-            pool_tokens=e.pool.capacity_tokens, kv_bytes_per_token=e.pool.bytes_per_token,
-            kv_scrub=e.cfg.cache.scrub, prefix_cache=e.prefix_cache.enabled, fairness=e.cfg.scheduler.fairness,
-            device=str(e.device), ledger=None if e.ledger is None else str(e.ledger.path),
+        return self.engine.card(
+            role=self.role, instance=self.instance, kv_transport=self.kv_transport,
+            tokenizer_digest=self.tokenizer_digest, test_faults=self.hooks.spec,
             fleet_auth="curve" if self.keys is not None else "off", reservation_timeout_s=self.reservation_timeout())
 
     def reservation_timeout(self) -> float | None:
@@ -167,14 +161,14 @@ class WorkerServer:
                 self.pump()
             except Exception:  # a fault in moving KV must not end the process
                 log.exception("moving KV failed")
-            self.route(self.engine.take_output())  # e.g. a first token that arrived with its KV: not after a step
+            self.route(self.engine.take_addressed())  # e.g. a first token that arrived with its KV: not after a step
             if self.engine.has_work():
                 try:
-                    out = self.engine.step()
+                    self.engine.advance()
                 except Exception:
                     log.exception("engine step failed; failing its requests")
-                    out = self.engine.fail_all(InternalError("the engine failed while running this request"))
-                self.route(out)
+                    self.engine.fail_all(InternalError("the engine failed while running this request"))
+                self.route(self.engine.take_addressed())
             for ident in self.outbox.flush():
                 self.peers.discard(ident)
                 self.peer_lost(ident)
@@ -191,7 +185,8 @@ class WorkerServer:
         if time.monotonic() - self.draining_since > self.drain_timeout_s:
             log.error("drain timeout (%gs): failing %d request(s) still in flight", self.drain_timeout_s,
                       self.inflight())
-            self.route(self.engine.fail_all(WorkerDraining("the worker shut down before this request ended")))
+            self.engine.fail_all(WorkerDraining("the worker shut down before this request ended"))
+            self.route(self.engine.take_addressed())
             self.outbox.flush()
             return True
         return False
@@ -228,13 +223,11 @@ class WorkerServer:
     def close(self) -> None:
         if self.join is not None:
             self.join.close()
-        self.engine.grammars.close()  # its compiler processes end with it
         self.ctrl.close(0)
         if self.zap is not None:
             self.zap.stop()
         self.ctx.term()
-        if self.engine.ledger is not None:
-            self.engine.ledger.close()
+        self.engine.close()  # its grammar compilers and its ledger
 
     # -- role hooks ----------------------------------------------------------------------------------
     def handle(self, ident: bytes, msg: P.Message) -> None:
@@ -263,10 +256,10 @@ class WorkerServer:
             self.engine.fail(rid, InternalError(f"the {self.role} worker failed while handling this request"))
 
     def inflight(self) -> int:
-        return len(self.engine.seqs)
+        return self.engine.inflight()
 
     def is_live(self, request_id: str) -> bool:
-        return request_id in self.engine.seqs
+        return self.engine.is_live(request_id)
 
     def sent_deltas(self, request_id: str) -> int:
         return 0
@@ -277,8 +270,8 @@ class WorkerServer:
     def pump(self) -> None:
         """Role-specific KV movement, once per loop turn."""
 
-    def route(self, out: list[GenerateDelta]) -> None:
-        """Role-specific delivery of engine outputs."""
+    def route(self, out: list[tuple[Sequence, GenerateDelta]]) -> None:
+        """Role-specific delivery of engine outputs: each delta goes where its request's route says."""
 
     def peer_lost(self, ident: bytes) -> None:
         """The outbox gave up on a router: fail the requests it was to receive (role-specific)."""

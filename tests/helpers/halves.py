@@ -1,6 +1,6 @@
-"""The two halves of a disaggregated engine, for tests that drive a handoff by hand: an Engine with its role's KV
-connector attached (engine/kv_prefill.py, engine/kv_decode.py). A worker attaches its own; give it a bare
-`Engine(cfg, ckpt, role=...)`."""
+"""The two halves of a disaggregated engine, for tests that drive a handoff by hand: an Engine whose role's KV
+connector (engine/kv_prefill.py, engine/kv_decode.py) it built itself, typed as such. A worker takes a bare
+`Engine(cfg, ckpt, role=...)` and asks it for the same connector."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from kvseal.engine.engine import Engine
 from kvseal.engine.kv_decode import DecodeConnector
 from kvseal.engine.kv_prefill import PrefillConnector
 from kvseal.model.checkpoint import Checkpoint
+from kvseal.wire.roles import Role
 
 
 class PrefillHalf(Engine):
@@ -20,12 +21,8 @@ class DecodeHalf(Engine):
 
 
 def prefill_engine(cfg: EngineConfig, ckpt: Checkpoint) -> PrefillHalf:
-    e = Engine(cfg, ckpt, role="prefill")
-    PrefillConnector(e)
-    return e  # type: ignore[return-value]  # an Engine whose kv is a PrefillConnector
+    return Engine(cfg, ckpt, role=Role.PREFILL)  # type: ignore[return-value]  # an Engine whose kv is a PrefillConnector
 
 
 def decode_engine(cfg: EngineConfig, ckpt: Checkpoint) -> DecodeHalf:
-    e = Engine(cfg, ckpt, role="decode")
-    DecodeConnector(e)
-    return e  # type: ignore[return-value]
+    return Engine(cfg, ckpt, role=Role.DECODE)  # type: ignore[return-value]

@@ -22,7 +22,6 @@ import pytest
 import torch
 import zmq
 
-from kvseal.engine.decode_admission import pages_available
 from kvseal.errors import KvsealError, TransferTimeout
 from kvseal.lifecycle import State
 from kvseal.transfer.base import TransferHandle, TransferState, create_transport
@@ -50,11 +49,11 @@ def test_a_read_past_its_deadline_keeps_its_pages_until_nixl_says_it_is_over(tcp
         try:
             warm = reserve(w, "warm")  # wires the UCX connection: the late read below is a read like any other
             prefill.send(warm, [1, 2, 3])
-            pump(w, lambda: "warm" not in d.seqs)
+            pump(w, lambda: "warm" not in d.requests)
             assert d.allocator.num_free == d.pool.num_pages
 
             res = reserve(w, "late")
-            pages, owner = res.page_ids, d.seqs["late"].owner
+            pages, owner = res.page_ids, d.request("late").owner
             real_claim = w._claim
 
             def claim(m: KVManifest) -> list[int]:
@@ -83,7 +82,7 @@ def test_a_read_past_its_deadline_keeps_its_pages_until_nixl_says_it_is_over(tcp
                 if not over:
                     owned.append(d.allocator.owns(owner, pages))
                 if "late" in finals and not next_pages:  # the request ended: the next one takes all it can
-                    want = min(pages_available(d), 28) * d.pool.page_size
+                    want = min(d.scheduler.admission.pages_available(), 28) * d.pool.page_size
                     next_pages.extend(reserve(w, "next", prompt=want).page_ids)
                 return over
 
@@ -106,7 +105,7 @@ def test_a_read_past_its_deadline_keeps_its_pages_until_nixl_says_it_is_over(tcp
         assert next_pages and not set(next_pages) & set(pages), f"pages {set(next_pages) & set(pages)} reused"
         late = finals["late"]  # ended at its deadline, long before the bytes could land: a 504, not a hostage
         assert late.error is not None and late.error.code == "transfer_timeout" and late.error.status == 504
-        assert "next" in d.seqs and d.seqs["next"].life.state is State.RESERVED
+        assert "next" in d.requests and d.request("next").life.state is State.RESERVED
         d.kv.release("next", KvsealError.from_info(late.error), rejected=False)
         d.allocator.check_integrity()
         assert d.allocator.num_free == d.pool.num_pages and not d.kv.landing and not d.kv.quarantined
@@ -124,7 +123,7 @@ def test_a_read_whose_prefill_worker_died_is_over_and_its_pages_come_back(tcp_on
         try:
             warm = reserve(w, "warm")
             prefill.send(warm, [1, 2, 3])
-            pump(w, lambda: "warm" not in d.seqs)
+            pump(w, lambda: "warm" not in d.requests)
             res = reserve(w, "doomed")
             pages = res.page_ids
             real_claim = w._claim

@@ -87,7 +87,7 @@ def good_offer(w: DecodeWorker, agent: str, md: bytes, pages: int) -> NixlOffer:
 def untouched(w: DecodeWorker, rid: str) -> bool:
     d = w.engine
     pages = d.kv.reservations[rid].page_ids
-    return (d.seqs[rid].life.state is State.RESERVED and rid not in d.kv.landing
+    return (d.request(rid).life.state is State.RESERVED and rid not in d.kv.landing
             and not d.pool.k[:, pages].any() and not d.pool.v[:, pages].any())
 
 
@@ -102,7 +102,7 @@ def serve_for_real(w: DecodeWorker, rid: str, kind: str) -> None:
                     else src.pack())
         st = wait_status(tx, h, also=w.pump)
     assert st.state is TransferState.ACKED, st
-    pump(w, lambda: rid not in w.engine.seqs)
+    pump(w, lambda: rid not in w.engine.requests)
     assert w.engine.allocator.num_free == w.engine.pool.num_pages
 
 
@@ -149,7 +149,7 @@ def test_an_error_after_the_claim_fails_the_request_and_frees_its_pages(
     finally:
         peer.close()
     assert not reply.ok and reply.error is not None and reply.error.code == "worker_failed", reply
-    assert "r" not in d.seqs and not d.kv.landing and not d.kv.quarantined  # the request failed ...
+    assert "r" not in d.requests and not d.kv.landing and not d.kv.quarantined  # the request failed ...
     assert d.allocator.num_free == d.pool.num_pages and not d.pool.k.any()  # ... its pages scrubbed and freed
     assert w.info()["kv_reads_in_flight"] == 0
 

@@ -22,7 +22,7 @@ The router holds the last delta (`DisaggBackend._prefill_settled`); the runner's
 
 LIVE = """
 `kvseal.tenancy.tenants.load_api_keys`, `engine.scheduler.Scheduler`, `api/text.py`, `kvseal/api/text.py`,
-`DisaggRequest.take_delta`, `Engine.seqs` (set in `__init__`), `DecodeConnector.quarantined`, `Engine.step()`,
+`DisaggRequest.take_delta`, `Engine.requests` (set in `__init__`), `DecodeConnector.quarantined`, `Engine.step()`,
 `api/openai_format.usage`, `kvseal/kernels/`, `tests/unit/test_docs_names.py::test_every_name_the_docs_cite_exists`,
 `benchmarks.seal_cost`, `kvseal.requests` (a logger the code names), `lifecycle.Lifecycle`.
 """

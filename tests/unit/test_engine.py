@@ -71,7 +71,7 @@ def test_preemption_recomputes_and_keeps_output(tiny: Checkpoint) -> None:
     while e.has_work():
         for d in e.step():
             out.setdefault(d.request_id, []).append(d)
-        preempted += sum(1 for s in e.seqs.values() if s.life.history and len(s.life.history) > 3)
+        preempted += sum(1 for s in e.requests if s.life.history and len(s.life.history) > 3)
         e.allocator.check_integrity()
     assert preempted > 0
     assert [tokens(out[f"r{i}"]) for i in range(4)] == alone
@@ -136,8 +136,8 @@ def test_seal5_foreign_page_fails_only_that_request(tiny: Checkpoint) -> None:
     first = e.step()
     assert {d.request_id for d in first} == {"victim", "thief"}
     victim_ref = run_alone(tiny, prompt(20, 5))
-    thief = e.seqs["thief"]
-    thief.pages[0] = e.seqs["victim"].pages[0]  # a page table that names someone else's page
+    thief = e.request("thief")
+    thief.pages[0] = e.request("victim").pages[0]  # a page table that names someone else's page
     out = drain(e)
     assert out["thief"][-1].final == "failed"
     assert out["thief"][-1].error.code == "kv_ownership_violation"
@@ -151,7 +151,7 @@ def test_seal5_stale_epoch_after_preemption_is_refused(tiny: Checkpoint) -> None
     e = make_engine(tiny)
     e.add_request(GenerateRequest("r", prompt(8, 7), GREEDY))
     e.step()
-    seq = e.seqs["r"]
+    seq = e.request("r")
     seq.owner = e.allocator.next_epoch(seq.owner)  # pages still carry the old epoch
     out = drain(e)
     assert out["r"][-1].final == "failed"
@@ -166,7 +166,7 @@ def test_seal6_freed_pages_are_zeroed(tiny: Checkpoint) -> None:
             e = make_engine(tiny, scrub=scrub, prefix_cache=cache)
             e.add_request(GenerateRequest("a", prompt(30, 8), SamplingParams(max_tokens=2, temperature=0.0)))
             e.step()
-            pages = list(e.seqs["a"].pages)
+            pages = list(e.request("a").pages)
             assert e.pool.k[:, pages].abs().sum() > 0
             drain(e)
             cached = e.allocator.cached_pages()

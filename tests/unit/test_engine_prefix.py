@@ -27,7 +27,7 @@ def run(e: Engine, rid: str, ids: list[int], tenant: str = "", salt: str | None 
     """Run one request to the end; its tokens, its cached_tokens and the pages it read."""
     e.add_request(GenerateRequest(rid, ids, params, tenant=tenant, cache_salt=salt))
     out = e.step()
-    pages = list(e.seqs[rid].pages) if rid in e.seqs else []
+    pages = list(e.request(rid).pages) if rid in e.requests else []
     out += drain(e).get(rid, [])
     e.allocator.check_integrity()
     return tokens(out), out[-1].cached_tokens, pages
@@ -79,7 +79,7 @@ def test_seal5_another_tenants_cached_page_is_refused(tiny: Checkpoint) -> None:
     e.add_request(GenerateRequest("bob", ids, GREEDY, tenant="bob"))
     e.add_request(GenerateRequest("carol", prompt(24, 7), GREEDY, tenant="carol"))
     first = e.step()
-    bob = e.seqs["bob"]
+    bob = e.request("bob")
     assert not set(bob.pages) & set(alice_pages)
     bob.pages[0] = alice_pages[0]  # a table that names alice's cached page (a refcount or lookup bug)
     out = drain(e)
@@ -96,7 +96,7 @@ def test_seal5_a_cached_page_not_acquired_is_refused_even_within_the_tenant(tiny
     run(e, "a", ids, tenant="t")
     e.add_request(GenerateRequest("b", prompt(24, 9), GREEDY, tenant="t"))
     e.step()
-    e.seqs["b"].pages[1] = e.allocator.cached_pages()[0]  # its tenant's, but never acquired: no reference
+    e.request("b").pages[1] = e.allocator.cached_pages()[0]  # its tenant's, but never acquired: no reference
     assert drain(e)["b"][-1].final == "failed"
 
 
@@ -106,7 +106,7 @@ def test_seal5_a_step_that_would_write_into_a_cached_page_is_refused(tiny: Check
     run(e, "a", ids, tenant="t")
     e.add_request(GenerateRequest("b", ids, GREEDY, tenant="t"))
     first = e.step()  # b: five pages from the cache, the sixth computed, the first token sampled
-    b = e.seqs["b"]
+    b = e.request("b")
     assert first[0].cached_tokens == 20 and len(b.pages) == 6
     b.pages.append(b.pages[0])  # the page for its next token: a cached page it legitimately holds
     out = drain(e)["b"]
@@ -129,7 +129,7 @@ def test_preemption_releases_references_and_reuses_the_cache(tiny: Checkpoint) -
     while e.has_work():
         for d in e.step():
             out.setdefault(d.request_id, []).append(d)
-        preempted += sum(1 for s in e.seqs.values() if len(s.life.history) > 3)
+        preempted += sum(1 for s in e.requests if len(s.life.history) > 3)
         e.allocator.check_integrity()
     assert preempted > 0
     assert [tokens(out[f"r{i}"]) for i in range(4)] == alone

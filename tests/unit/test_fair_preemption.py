@@ -27,7 +27,7 @@ SHORT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def preempted(e: Engine, rid: str) -> bool:
-    s = e.seqs.get(rid)
+    s = e.request(rid)
     return s is not None and [to for to, _ in s.life.history].count(State.ADMITTED) > 1
 
 
@@ -58,7 +58,7 @@ def test_a_tenant_under_its_share_preempts_the_tenant_over_it(tiny: Checkpoint) 
                 out.setdefault(d.request_id, []).append(d)
                 if d.request_id == "b" and len(out["b"]) == 1 or d.request_id != "b" and d.final is not None:
                     events.append(d.request_id)
-            victims |= {rid for rid in e.seqs if preempted(e, rid)}
+            victims |= {s.request_id for s in e.requests if preempted(e, s.request_id)}
             e.allocator.check_integrity()
         assert_one_final_each(out)
         assert [tokens(out[f"a{i}"]) for i in range(2)] == [run_alone(tiny, ids, a_params) for ids in a_ids]
@@ -102,19 +102,19 @@ def test_prompt_chunks_are_capped_while_two_tenants_compete(tiny: Checkpoint) ->
     e.add_request(GenerateRequest("a1", prompt(100, 2), SHORT, tenant="a"))
     e.add_request(GenerateRequest("b0", prompt(100, 3), SHORT, tenant="b"))
     e.step()
-    assert e.seqs["a1"].num_computed + e.seqs["b0"].num_computed == 32  # one capped chunk between them
-    assert e.seqs["b0"].num_computed == 32  # equal counters: b, holding nothing here, before a (a0 decodes)
+    assert e.request("a1").num_computed + e.request("b0").num_computed == 32  # one capped chunk between them
+    assert e.request("b0").num_computed == 32  # equal counters: b, holding nothing here, before a (a0 decodes)
     e.step()  # a1 is a newcomer (a has no prompt running, b has): its step, b0's chunk sits it out
-    assert (e.seqs["a1"].num_computed, e.seqs["b0"].num_computed) == (32, 32)
+    assert (e.request("a1").num_computed, e.request("b0").num_computed) == (32, 32)
     e.step()  # both prompts run: a running chunk (of a1 or b0) takes its cap, and both have moved
-    assert e.seqs["a1"].num_computed + e.seqs["b0"].num_computed == 96
-    assert e.seqs["a1"].num_computed > 0 and e.seqs["b0"].num_computed > 0
+    assert e.request("a1").num_computed + e.request("b0").num_computed == 96
+    assert e.request("a1").num_computed > 0 and e.request("b0").num_computed > 0
     off = Engine(EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=128, contended_chunk_tokens=32,
                                                         fairness="off")), tiny)
     off.add_request(GenerateRequest("a1", prompt(100, 2), SHORT, tenant="a"))
     off.add_request(GenerateRequest("b0", prompt(100, 3), SHORT, tenant="b"))
     off.step()
-    assert off.seqs["a1"].num_computed + off.seqs["b0"].num_computed == 128  # off: no cap
+    assert off.request("a1").num_computed + off.request("b0").num_computed == 128  # off: no cap
 
 
 def test_a_newcomers_short_prompt_gets_a_step_of_its_own_and_the_flood_resumes_after(tiny: Checkpoint) -> None:
@@ -130,16 +130,16 @@ def test_a_newcomers_short_prompt_gets_a_step_of_its_own_and_the_flood_resumes_a
     for _ in range(2):  # a alone: full chunks (100 + 28, then a0's first decode token + 72 + 55)
         for d in e.step():
             out.setdefault(d.request_id, []).append(d)
-    a2 = e.seqs["a2"].num_computed
+    a2 = e.request("a2").num_computed
     assert a2 == 55  # 45 prompt tokens to go
     e.add_request(GenerateRequest("b0", b_ids, SHORT, tenant="b"))
     for d in e.step():
         out.setdefault(d.request_id, []).append(d)
-    assert e.seqs["b0"].num_computed == 12 and len(out["b0"]) == 1  # its whole prompt, and its first token
-    assert e.seqs["a2"].num_computed == a2  # a's chunk sat this step out
+    assert e.request("b0").num_computed == 12 and len(out["b0"]) == 1  # its whole prompt, and its first token
+    assert e.request("a2").num_computed == a2  # a's chunk sat this step out
     for d in e.step():
         out.setdefault(d.request_id, []).append(d)
-    assert e.seqs["a2"].num_computed == a2 + 32  # and resumes at once (capped: both tenants compete)
+    assert e.request("a2").num_computed == a2 + 32  # and resumes at once (capped: both tenants compete)
     while e.has_work():
         for d in e.step():
             out.setdefault(d.request_id, []).append(d)
@@ -154,12 +154,12 @@ def test_a_tenant_that_sends_a_short_request_every_step_does_not_starve_a_long_p
     e = Engine(EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=128, contended_chunk_tokens=32)), tiny)
     e.add_request(GenerateRequest("a0", prompt(400, 1), SHORT, tenant="a"))
     e.step()
-    assert e.seqs["a0"].num_computed == 128  # alone: a full chunk
+    assert e.request("a0").num_computed == 128  # alone: a full chunk
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for i in range(20):
         e.add_request(GenerateRequest(f"b{i}", prompt(8, 100 + i), one, tenant="b"))
         e.step()
-    assert e.seqs["a0"].num_computed >= 128 + 3 * 32  # measured: 256 (four capped chunks in 20 steps)
+    assert e.request("a0").num_computed >= 128 + 3 * 32  # measured: 256 (four capped chunks in 20 steps)
     books = e.scheduler.fair.books
     assert abs(books["a"].counter - books["b"].counter) <= 32 + 8  # about one step's cost apart
 
@@ -219,8 +219,8 @@ def test_a_reservation_under_its_share_preempts_decoding_requests_over_it(tiny: 
                 w.pump()
         else:
             assert granted and not w.queue  # at once: a2 (a's newest) was preempted for it
-            assert d.seqs["a2"].life.state is State.ADMITTED and d.seqs["a2"] in d.scheduler.waiting
-            assert d.pages_scrubbed > scrubbed and not d.seqs["a2"].pages
+            assert d.request("a2").life.state is State.ADMITTED and d.request("a2") in d.scheduler.waiting
+            assert d.pages_scrubbed > scrubbed and not d.request("a2").pages
         hand_over("b")
         while d.has_work():
             step()

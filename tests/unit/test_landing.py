@@ -55,10 +55,10 @@ def test_landed_kv_is_verified_in_place_and_admitted() -> None:
     p, d = _engines()
     m, src, res = _offer(p, d, "ok")
     pages = d.kv.claim(m)
-    assert pages == res.page_ids and d.seqs["ok"].life.state is State.TRANSFERRING
+    assert pages == res.page_ids and d.request("ok").life.state is State.TRANSFERRING
     _land(d, src, pages)
     d.kv.accept_landed(m)
-    assert d.seqs["ok"].life.state in (State.VERIFIED, State.DECODING)
+    assert d.request("ok").life.state in (State.VERIFIED, State.DECODING)
     while d.has_work():
         d.step()
     assert _baseline(d)
@@ -75,11 +75,11 @@ def test_a_claim_that_does_not_name_the_reservation_moves_nothing_and_harms_noth
     with pytest.raises(TransferVerificationFailed, match=tamper) as e:
         d.kv.claim(bad)
     assert res.nonce not in e.value.message and res.reservation_id not in e.value.message  # nothing to learn
-    assert d.seqs["t"].life.state is State.RESERVED and not d.kv.landing and d.kv.reservations["t"] == res
+    assert d.request("t").life.state is State.RESERVED and not d.kv.landing and d.kv.reservations["t"] == res
     pages = d.kv.claim(m)  # the real one
     _land(d, src, pages)
     d.kv.accept_landed(m)
-    assert d.seqs["t"].life.state in (State.VERIFIED, State.DECODING)
+    assert d.request("t").life.state in (State.VERIFIED, State.DECODING)
 
 
 def test_a_claim_that_names_the_reservation_but_does_not_match_it_fails_the_request() -> None:
@@ -87,7 +87,7 @@ def test_a_claim_that_names_the_reservation_but_does_not_match_it_fails_the_requ
     m, _, _ = _offer(p, d, "t")
     with pytest.raises(TransferVerificationFailed, match="num_tokens"):
         d.kv.claim(msgspec.structs.replace(m, num_tokens=m.num_tokens - 1))
-    assert "t" not in d.seqs and _baseline(d)  # the request failed, its pages are free (and zero)
+    assert "t" not in d.requests and _baseline(d)  # the request failed, its pages are free (and zero)
     assert not d.pool.k.any() and not d.pool.v.any()
     with pytest.raises(TransferVerificationFailed, match="holds no reservation"):
         d.kv.claim(m)  # the real one comes too late: nothing is reserved any more
@@ -101,7 +101,7 @@ def test_a_page_that_landed_wrong_fails_the_request_and_is_scrubbed() -> None:
     d.pool.k[0, pages[1], 0, 0, 0] += 1.0
     with pytest.raises(TransferVerificationFailed, match=r"page_checksums\[1\]"):
         d.kv.accept_landed(m)
-    assert "bad" not in d.seqs and _baseline(d)
+    assert "bad" not in d.requests and _baseline(d)
     assert not d.pool.k.any() and not d.pool.v.any()
 
 
@@ -117,12 +117,12 @@ def test_pages_stay_pinned_while_bytes_may_land_even_when_the_request_ends(end: 
         case "abort":
             d.abort("late", RequestAborted("client left"))
         case "expire":
-            d.seqs["late"].reserved_until = 0.0
+            d.request("late").reserved_until = 0.0
             d.kv.expire_reservations(1.0)
         case "fail_all":
             d.fail_all(WorkerFailed("internal fault"))
     out = d.step() if end != "fail_all" else []
-    assert "late" not in d.seqs  # the request ended at once, with its error ...
+    assert "late" not in d.requests  # the request ended at once, with its error ...
     assert all(x.final is None or x.error is not None for x in out)
     assert d.allocator.num_free == free and set(pages) <= set(d.allocator.owned_by(d.kv.quarantined["late"].owner))
     _land(d, src, pages)  # ... and a byte that lands now hits only its own pages
@@ -137,6 +137,6 @@ def test_a_landing_that_failed_frees_and_scrubs_the_pages() -> None:
     pages = d.kv.claim(m)
     _land(d, src, pages[:1])  # half of it arrived before the link was cut
     d.kv.landing_failed("cut", TransferTimeout("the read was cancelled"))
-    assert "cut" not in d.seqs and _baseline(d) and not d.pool.k.any()
+    assert "cut" not in d.requests and _baseline(d) and not d.pool.k.any()
     d.kv.landing_failed("cut", TransferTimeout("again"))  # a second report changes nothing
     assert _baseline(d)

@@ -62,13 +62,15 @@ def _run(d: DecodeHalf) -> dict[str, list[GenerateDelta]]:
 
 def _at_baseline(d: DecodeHalf) -> bool:
     d.allocator.check_integrity()
-    return d.allocator.num_free == d.pool.num_pages and not d.seqs and not d.kv.reserved and not d.kv.reservations
+    return (d.allocator.num_free == d.pool.num_pages and not d.requests.all() and not d.kv.reserved
+            and not d.kv.reservations)
 
 
 def test_a_late_arrival_after_fail_all_is_refused_and_changes_nothing() -> None:
     p, d = prefill_engine(_cfg(), CK), decode_engine(_cfg(), CK)
     manifest, payload, _ = _handoff(p, d, "late")
-    finals = d.fail_all(InternalError("the engine failed while running this request"))
+    d.fail_all(InternalError("the engine failed while running this request"))
+    finals = d.take_output()
     assert [f.final for f in finals] == ["failed"]
     with pytest.raises(TransferVerificationFailed, match="holds no reservation"):
         d.kv.accept(manifest, payload)

@@ -103,7 +103,7 @@ def test_a_long_sequence_keeps_only_its_window_and_each_dropped_page_is_scrubbed
         for p, held in freed[seen:]:  # dropped in this step: free and zero at once, not when the request ends
             assert held and w.allocator.owner_of(p) == (FREE, FREE)
             assert not w.pool.k[:, p].any() and not w.pool.v[:, p].any(), f"page {p} was not scrubbed"
-        seq = e.seqs.get("x")
+        seq = e.request("x")
         if seq is None:
             break
         held_most = max(held_most, len(seq.window_pages))
@@ -150,7 +150,7 @@ def test_seal5_a_window_table_naming_another_requests_page_fails_only_that_reque
     e.add_request(GenerateRequest("a", a_ids, PARAMS))
     e.add_request(GenerateRequest("b", b_ids, PARAMS))
     out = [d for _ in range(3) for d in e.step()]  # both prefilled and decoding
-    a, b = e.seqs["a"], e.seqs["b"]
+    a, b = e.request("a"), e.request("b")
     assert a.window_pages and b.window_pages and not set(a.window_pages) & set(b.window_pages)
     a.window_pages[-1] = b.window_pages[-1]  # a's sliding layer would read (and write) b's KV
     while e.has_work():
@@ -188,7 +188,7 @@ def test_a_sequence_the_window_pool_cannot_take_now_holds_no_main_page_while_it_
     e.add_request(GenerateRequest("x", prompt(20, 4), PARAMS))
     for _ in range(3):
         assert e.step() == []
-    seq = e.seqs["x"]
+    seq = e.request("x")
     assert seq in e.scheduler.waiting and not seq.pages and not seq.window_pages
     assert e.allocator.num_free == e.pool.num_pages  # nothing half-held in the main pool
     w.allocator.free(squatter, held)
