@@ -164,10 +164,6 @@ class Engine:
         """Live requests, queued ones included."""
         return len(self.requests)
 
-    def queued(self) -> int:
-        """Reservations waiting for pages (decode)."""
-        return len(self.requests.queued())
-
     def routed_to(self, ident: bytes) -> list[Sequence]:
         return self.requests.routed_to(ident)
 

@@ -49,6 +49,11 @@ class Reserving(KVConnector):
         return {s.request_id: s.reservation for s in self.engine.requests
                 if s.reservation is not None and s.life.state is State.RESERVED}
 
+    @property
+    def queue(self) -> list[Sequence]:
+        """Reservations waiting for pages, oldest first."""
+        return self.engine.requests.queued()
+
     def num_reserved(self) -> int:
         return sum(1 for s in self.engine.requests if s.reservation is not None)
 

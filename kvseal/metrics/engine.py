@@ -28,14 +28,14 @@ per-tenant families (the only ones that name a tenant) only to a scrape with the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from kvseal.engine.engine import Engine
 from kvseal.metrics.token import gated, serve_wsgi
+from kvseal.wire.kvspec import KVSpec
 
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
@@ -52,6 +52,14 @@ KV_FIGURES = {  # Transport.figures() (and decode's quarantine) exported as gaug
 }
 
 
+class Engine(Protocol):  # the questions asked of engine/engine.py's Engine (this module imports no engine)
+    def info(self) -> dict[str, Any]: ...
+
+    def figures(self) -> dict[str, Any]: ...
+
+    def on_first_scheduled(self, observe: Callable[[float], None]) -> None: ...
+
+
 class EngineCollector(Collector):
     """Reads `engine` (and the worker's `counters`, `queued()`, `verification_failures`) at each scrape.
     Invariant: no family it yields names a tenant (any scrape of a worker's port sees them)."""
@@ -65,26 +73,25 @@ class EngineCollector(Collector):
         self.counters = counters if counters is not None else {}
         self.verification_failures = verification_failures if verification_failures is not None else {}
         self.queued = queued
-        e = engine  # what the fleet check compares, as labels of kvseal:worker_info
-        self.identity = {"role": e.role, **{k: str(v) for k, v in e.kv_spec.fields().items()},
-                         "kernels": e.kernels, "arithmetic": e.arithmetic.name, **(labels or {})}
+        info = engine.info()  # what the fleet check compares, as labels of kvseal:worker_info
+        self.pool_pages = int(info["pool_pages"])
+        self.identity = {"role": info["role"], **{k: str(info[k]) for k in KVSpec.__struct_fields__},
+                         "kernels": info["kernels"], "arithmetic": info["arithmetic"], **(labels or {})}
 
     def collect(self) -> Iterator[Any]:
-        e, c = self.engine, self.counters
-        yield GaugeMetricFamily("kvseal:num_requests_running", "Requests in the engine's batch",
-                                value=len(e.scheduler.running))
+        f, c = self.engine.figures(), self.counters
+        yield GaugeMetricFamily("kvseal:num_requests_running", "Requests in the engine's batch", value=f["running"])
         yield GaugeMetricFamily("kvseal:num_requests_waiting", "Requests waiting for pages or compute",
-                                value=len(e.scheduler.waiting) + self.queued())
-        pages = e.pool.num_pages
+                                value=f["waiting"] + self.queued())
         yield GaugeMetricFamily("kvseal:kv_cache_usage_perc", "KV cache usage (1 = every page held)",
-                                value=1.0 - e.allocator.num_free / pages)
-        yield GaugeMetricFamily("kvseal:cached_pages", "Pages held by the prefix cache", value=e.allocator.num_cached)
+                                value=1.0 - f["free_pages"] / self.pool_pages)
+        yield GaugeMetricFamily("kvseal:cached_pages", "Pages held by the prefix cache", value=f["cached_pages"])
         yield CounterMetricFamily("kvseal:prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                  value=e.scheduler.reused_tokens)
+                                  value=f["prefix_cache_hit_tokens"])
         yield CounterMetricFamily("kvseal:pages_scrubbed", "KV pages zeroed before reuse (seal 6)",
-                                  value=e.pages_scrubbed)
+                                  value=f["pages_scrubbed"])
         yield CounterMetricFamily("kvseal:ownership_check_failures", "Page tables refused before a forward pass "
-                                  "(seal 5)", value=e.ownership_violations)
+                                  "(seal 5)", value=f["ownership_violations"])
         failures = CounterMetricFamily("kvseal:kv_verification_failures", "KV handoffs refused by decode, by the "
                                        "manifest field that failed (seal 4)", labels=["field"])
         for field, n in sorted(self.verification_failures.items()):
@@ -129,7 +136,7 @@ TENANT_FIGURES = (  # engine/fairness.FairShare.figures(): (key, metric, kind, h
 
 def tenant_families(e: Engine) -> Iterator[Any]:
     """Per tenant: what this engine served it and holds for it (labels: tenant)."""
-    figures = e.scheduler.fair.figures(e.scheduler.running, e.scheduler.waiting)
+    figures: dict[str, dict[str, float]] = e.figures()["tenants"]
     for key, name, kind, doc in TENANT_FIGURES:
         fam: CounterMetricFamily | GaugeMetricFamily = (
             CounterMetricFamily(name, doc, labels=["tenant"]) if kind == "counter" else
@@ -160,7 +167,7 @@ class WorkerMetrics:
                                     buckets=QUEUE_BUCKETS, registry=self.registry)
         self.transfer_seconds = Histogram("kvseal:kv_transfer_seconds", "A KV handoff, sent to acknowledged",
                                           buckets=TRANSFER_BUCKETS, registry=self.registry)
-        collector.engine.scheduler.on_first_scheduled = self.queue_time.observe
+        collector.engine.on_first_scheduled(self.queue_time.observe)
         self.tenant_registry = CollectorRegistry()
         for c in (collector, self.queue_time, self.transfer_seconds, TenantCollector(collector.engine)):
             self.tenant_registry.register(c)

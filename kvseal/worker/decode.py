@@ -102,7 +102,7 @@ class DecodeWorker(WorkerServer):
     @property
     def queue(self) -> list[Sequence]:
         """Reservations waiting for pages, oldest first (queued Sequences in the engine's book)."""
-        return self.engine.requests.queued()
+        return self.kv.queue
 
     # -- the loop --------------------------------------------------------------------------------------
     def pump(self) -> None:
@@ -175,7 +175,7 @@ class DecodeWorker(WorkerServer):
             self.engine.fail(seq.request_id, err)
 
     def queued(self) -> int:
-        return self.engine.queued()
+        return len(self.kv.queue)
 
     def sent_deltas(self, request_id: str) -> int:
         seq = self.engine.request(request_id)
