@@ -69,27 +69,13 @@ class DecodeConnector(Reserving):
         return None
 
     def accept(self, manifest: KVManifest, payload: PagePayload, check: bool = True) -> None:
-        """KV arrived: verify it against the reservation (seal 4), write it into the reserved pages and admit
-        the request. On any mismatch the request FAILS (pages scrubbed and freed) and the error is raised
-        for the sender's nack; an arrival for no live reservation (never made, released, expired, failed,
-        already used) is refused and changes nothing. `check` is False only under the test-only incident fault
-        (hooks.py): the KV is used unverified."""
-        e = self.engine
+        """KV arrived (a staged copy): verify it against the reservation (seal 4), write it into the reserved pages
+        and admit the request. On any mismatch the request FAILS (pages scrubbed and freed) and the error is raised
+        for the sender's nack; an arrival for no live reservation (never made, released, expired, failed, already
+        used) is refused and changes nothing. `check` is False only under the test-only incident fault (hooks.py):
+        the KV is used unverified."""
         seq, res = self._take_reservation(manifest, check)
-        try:
-            if check:
-                verify(manifest, res, payload, expected_fingerprint=e.kv_spec.model_fingerprint,
-                       page_bytes=page_nbytes(e.pool.k), vocab_size=e.arch.vocab_size,
-                       logprobs=seq.params.logprobs)
-        except TransferVerificationFailed as err:
-            self._verified(seq, "failed", manifest, payload, err.field)
-            self.release(seq.request_id, err, rejected=False)
-            raise
-        self._verified(seq, "ok" if check else "unverified", manifest, payload)
-        unpack_into(e.pool.k, e.pool.v, res.page_ids[: payload.num_pages], payload)
-        if e.forensics is not None:
-            e.forensics.transferred(seq, res.page_ids[: payload.num_pages], manifest.num_tokens)
-        self._admit_arrived(seq, manifest)
+        self._use(seq, res, manifest, payload, check)
 
     def claim(self, manifest: KVManifest, check: bool = True) -> list[int]:
         """An in-place transport is about to move the KV into the reserved pages: every check that reads no
@@ -116,19 +102,32 @@ class DecodeConnector(Reserving):
         if seq is None:
             raise TransferVerificationFailed(f"request {rid!r} ended while its KV was landing; its pages were "
                                              f"scrubbed and freed")
-        assert seq.reservation is not None
-        pool = self.engine.pool
-        landed = PoolPages(pool.k, pool.v, tuple(seq.reservation.page_ids[: manifest.num_pages]))
+        res, pool = seq.reservation, self.engine.pool
+        assert res is not None
+        self._use(seq, res, manifest, PoolPages(pool.k, pool.v, tuple(res.page_ids[: manifest.num_pages])), check)
+
+    def _use(self, seq: Sequence, res: Reservation, manifest: KVManifest, pages: PagePayload | PoolPages,
+             check: bool) -> None:
+        """The arrived pages against the reservation (seal 4), then in the reserved pages (a staged copy is unpacked
+        there; bytes that landed in place are there already) and the request admitted. On a mismatch the request
+        FAILS (pages scrubbed and freed) and the error is raised for the sender's nack."""
+        e = self.engine
         try:
-            if check:
-                verify_landed(manifest, seq.reservation, landed)
+            if check and isinstance(pages, PoolPages):  # in place: the checks that read no byte ran at the claim
+                verify_landed(manifest, res, pages)
+            elif check and isinstance(pages, PagePayload):
+                verify(manifest, res, pages, expected_fingerprint=e.kv_spec.model_fingerprint,
+                       page_bytes=page_nbytes(e.pool.k), vocab_size=e.arch.vocab_size,
+                       logprobs=seq.params.logprobs)
         except TransferVerificationFailed as err:
-            self._verified(seq, "failed", manifest, landed, err.field)
-            self.release(rid, err, rejected=False)
+            self._verified(seq, "failed", manifest, pages, err.field)
+            self.release(seq.request_id, err, rejected=False)
             raise
-        self._verified(seq, "ok" if check else "unverified", manifest, landed)
-        if self.engine.forensics is not None:
-            self.engine.forensics.transferred(seq, list(landed.page_ids), manifest.num_tokens)
+        self._verified(seq, "ok" if check else "unverified", manifest, pages)
+        if isinstance(pages, PagePayload):
+            unpack_into(e.pool.k, e.pool.v, res.page_ids[: pages.num_pages], pages)
+        if e.forensics is not None:
+            e.forensics.transferred(seq, res.page_ids[: pages.num_pages], manifest.num_tokens)
         self._admit_arrived(seq, manifest)
 
     def landing_failed(self, request_id: str, error: KvsealError) -> None:
