@@ -20,6 +20,7 @@ from kvseal.commands import (
 )
 from kvseal.config import LedgerConfig, ModelConfig, ServerConfig
 from kvseal.config_args import add_config_args, add_engine_args
+from kvseal.embed.config import EmbedConfig
 from kvseal.metrics.token import add_metrics_token_arg
 
 
@@ -110,6 +111,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     add_metrics_token_arg(serve, serve=True)
     add_kv_channel_arg(serve)
     add_kv_transport_arg(serve)
+    add_config_args(serve, EmbedConfig)
     add_test_faults_arg(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -22,6 +22,8 @@ from kvseal.metrics.token import token_sha256
 
 if TYPE_CHECKING:
     from kvseal.auth.keys import MemberKeys
+    from kvseal.embed.client import EmbedClient
+    from kvseal.embed.launch import EmbedSide
     from kvseal.engine.engine import Engine
     from kvseal.router.disagg import DisaggBackend
     from kvseal.worker.run import WorkerSpec
@@ -86,7 +88,7 @@ def one_tenant_notice(scfg: ServerConfig) -> None:
 
 def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], decode: list[str],
                template: str | None, keys: MemberKeys | None = None,
-               server_keys: dict[str, str] | None = None) -> int:
+               server_keys: dict[str, str] | None = None, embed: EmbedSide | None = None) -> int:
     from kvseal.faults import hooks_from_spec
     from kvseal.ledger.store import Ledger
     from kvseal.model.loader import load_tokenizer
@@ -111,15 +113,17 @@ def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], de
     except KvsealError as err:
         print(f"kvseal router: refusing to start: {err.message}", file=sys.stderr)
         return 3
-    serve_http(backend, scfg, a.log_level)
+    serve_http(backend, scfg, a.log_level, embedder=embed.client if embed is not None else None)
     if ledger is not None:
         ledger.close()
     return 0
 
 
-def serve_http(backend: Any, scfg: ServerConfig, log_level: str, engine: Engine | None = None) -> None:
+def serve_http(backend: Any, scfg: ServerConfig, log_level: str, engine: Engine | None = None,
+               embedder: EmbedClient | None = None) -> None:
     """The OpenAI app over `backend` (the router's or the unified engine's), with /metrics (and the engine's own
-    figures when it runs in this process) and /doctor/probe, served until SIGTERM or SIGINT."""
+    figures when it runs in this process) and /doctor/probe, served until SIGTERM or SIGINT; with an embedder,
+    /v1/embeddings too."""
     import uvicorn
 
     from kvseal.metrics.engine import EngineCollector, TenantCollector, WorkerMetrics
@@ -132,7 +136,12 @@ def serve_http(backend: Any, scfg: ServerConfig, log_level: str, engine: Engine 
     if engine is not None:
         WorkerMetrics(EngineCollector(engine, labels={"endpoint": f"{scfg.host}:{scfg.port}"}), metrics.registry)
         metrics.registry.register(TenantCollector(engine))  # this /metrics is admin keys' only: tenants may show
-    app = build_app(MeteredBackend(backend, metrics), scfg)
+    app = build_app(MeteredBackend(backend, metrics), scfg, embedder)
+    if embedder is not None:
+        from kvseal.embed.metrics import EmbedMetrics
+
+        app.state.embed_metrics = EmbedMetrics(metrics.registry, lambda: embedder.last_card.queued_inputs
+                                               if embedder.last_card is not None else 0)
     install_metrics(app, metrics)
     install_probe(app, backend)
     uvicorn.run(app, host=scfg.host, port=scfg.port, log_level=log_level, timeout_graceful_shutdown=5)
@@ -198,8 +207,26 @@ def cmd_serve(a: argparse.Namespace) -> int:
     fleet_host(a, keys)
     prefill_spec, decode_spec = worker_specs(a, os.cpu_count() or 1)
     with Fleet(prefill_spec, decode_spec, a.prefill, a.decode, keys) as fleet:
-        return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints, template, fleet.router_keys,
-                          fleet.server_keys)
+        embed = embed_side(a, fleet.router_keys)
+        try:
+            return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints, template, fleet.router_keys,
+                              fleet.server_keys, embed)
+        finally:
+            if embed is not None:
+                embed.stop()
+
+
+def embed_side(a: argparse.Namespace, keys: MemberKeys | None) -> EmbedSide | None:
+    """The embed worker of --embed-model (None without it), its channel keyed with the router's fleet keys."""
+    from kvseal.config_args import config_from_args
+    from kvseal.embed.config import EmbedConfig
+
+    cfg = config_from_args(EmbedConfig, a)
+    if cfg.model is None:
+        return None
+    from kvseal.embed.launch import EmbedSide
+
+    return EmbedSide(cfg, a.log_level, keys)
 
 
 def worker_specs(a: argparse.Namespace, cores: int) -> tuple[WorkerSpec, WorkerSpec]:
@@ -256,7 +283,12 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
         engine.context_window, engine.pool.capacity_tokens, engine.pool.num_pages, engine.pool.page_size,
         kv.kv_dtype, "on" if cfg.cache.scrub else "off", cfg.ledger.path or "off")
     one_tenant_notice(scfg)
-    serve_http(backend, scfg, a.log_level, engine)
+    embed = embed_side(a, member_keys(a, "router"))  # fresh keys for its channel unless --fleet-keys off
+    try:
+        serve_http(backend, scfg, a.log_level, engine, embed.client if embed is not None else None)
+    finally:
+        if embed is not None:
+            embed.stop()
     if engine.ledger is not None:
         engine.ledger.close()
     return 0

@@ -4,6 +4,7 @@
 - routes/generate.py: /v1/chat/completions, /v1/completions (request -> GenerateRequest)
 - routes/tokens.py: /tokenize, /detokenize
 - routes/responses.py: OpenAI's /v1/responses (stored responses per tenant: response_store.py)
+- routes/embeddings.py: /v1/embeddings, served by the embed worker when there is one (kvseal/embed/)
 - routes/messages.py: Anthropic's /v1/messages and /v1/messages/count_tokens (errors in Anthropic's shape:
   anthropic_errors.py)
 - respond.py: deltas -> a whole response or a stream (never a 200 for a request that did not complete)
@@ -23,6 +24,7 @@ from fastapi import FastAPI
 
 from kvseal import __version__
 from kvseal.config import ServerConfig
+from kvseal.embed.client import EmbedClient
 from kvseal.router.anthropic_errors import AnthropicErrors
 from kvseal.router.backend import Backend
 from kvseal.router.bodylimit import BodyLimit
@@ -31,25 +33,30 @@ from kvseal.router.limits import RateLimiter
 from kvseal.router.ratelimit import RateLimits
 from kvseal.router.requestlog import RequestLog
 from kvseal.router.response_store import ResponseStore, budget_for
-from kvseal.router.routes import generate, messages, responses, status, tokens
+from kvseal.router.routes import embeddings, generate, messages, responses, status, tokens
 from kvseal.router.routes.deps import DEFAULT_POLICY
 from kvseal.router.tenants import TenantAuth
 from kvseal.router.tenantview import TenantFigures, new_figures
 from kvseal.router.textpool import TextPool
 
 
-def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
+def build_app(backend: Backend, cfg: ServerConfig, embedder: EmbedClient | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await backend.start()
+        if embedder is not None:
+            await embedder.start()
         try:
             yield
         finally:
             app.state.text_pool.shutdown()
+            if embedder is not None:
+                await embedder.stop()
             await backend.stop()
 
     app = FastAPI(title="kvseal", version=__version__, lifespan=lifespan)
     app.state.backend = backend  # the routes read it through routes/deps.py
+    app.state.embedder = embedder  # routes/embeddings.py: None without --embed-model
     app.state.text_pool = TextPool(cfg.text_pool_threads, cfg.text_threads_each)  # router/text.py
     backend.tokenizer.longest_token_bytes  # noqa: B018 (measured once here, not on a request's time)
     app.state.body_held = {}  # tenant -> bytes of its bodies in requests in progress
@@ -66,6 +73,6 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     policies = app.state.tenant_policies  # the Responses API's stored responses: a partition per tenant
     app.state.responses = ResponseStore(lambda t: budget_for(policies.get(t, DEFAULT_POLICY)))
-    for module in (status, generate, tokens, messages, responses):
+    for module in (status, generate, tokens, messages, responses, embeddings):
         app.include_router(module.router)
     return app

@@ -1,0 +1,120 @@
+"""A BERT encoder (BertModel, as in sentence-transformers checkpoints) in float32, over packed sequences.
+
+The batch is one (T, H) tensor of every input's tokens back to back (no padding): the projections and the MLP,
+nearly all of the work, run on real tokens only. Attention alone takes each input apart, on its own rows (a slice
+of the batch: no padding and no mask; measured faster on CPU than padded grids of inputs of close lengths).
+
+Equal to transformers' BertModel up to float32 rounding order (tests/e2e/test_embeddings.py compares the pooled
+embeddings with sentence-transformers').
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class BertArch:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position: int
+    type_vocab_size: int
+    eps: float
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], source: str) -> BertArch:
+        if cfg.get("model_type") != "bert":
+            raise ValueError(f"{source}: model_type {cfg.get('model_type')!r} is not an encoder kvseal can embed "
+                             f"with; serve a BERT checkpoint (a sentence-transformers folder)")
+        if cfg.get("hidden_act", "gelu") != "gelu" or cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"{source}: hidden_act {cfg.get('hidden_act')!r} / position_embedding_type "
+                             f"{cfg.get('position_embedding_type')!r}: kvseal's BERT has gelu and absolute positions")
+        arch = cls(int(cfg["vocab_size"]), int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]),
+                   int(cfg["num_attention_heads"]), int(cfg["intermediate_size"]),
+                   int(cfg["max_position_embeddings"]), int(cfg.get("type_vocab_size", 2)),
+                   float(cfg.get("layer_norm_eps", 1e-12)))
+        if arch.hidden_size % arch.num_heads:
+            raise ValueError(f"{source}: hidden_size {arch.hidden_size} is not a multiple of num_attention_heads "
+                             f"{arch.num_heads}")
+        return arch
+
+
+@dataclass(frozen=True)
+class Layer:
+    qkv_w: torch.Tensor  # (3H, H): query, key and value stacked, one matmul
+    qkv_b: torch.Tensor  # (3H,)
+    out_w: torch.Tensor  # (H, H)
+    out_b: torch.Tensor
+    ln1: tuple[torch.Tensor, torch.Tensor]  # attention.output.LayerNorm (weight, bias)
+    up_w: torch.Tensor  # (I, H)
+    up_b: torch.Tensor
+    down_w: torch.Tensor  # (H, I)
+    down_b: torch.Tensor
+    ln2: tuple[torch.Tensor, torch.Tensor]  # output.LayerNorm
+
+
+class BertEncoder:
+    """Token ids of several inputs -> each token's last hidden state, packed (T, H)."""
+
+    def __init__(self, arch: BertArch, weights: dict[str, torch.Tensor]) -> None:
+        self.arch = arch
+
+        def w(name: str) -> torch.Tensor:
+            t = weights.get(name, weights.get("bert." + name))  # some checkpoints keep BertForX's prefix
+            if t is None:
+                raise ValueError(f"the checkpoint has no weight {name!r}")
+            return t.to(torch.float32).contiguous()
+
+        self.word, self.position = w("embeddings.word_embeddings.weight"), w("embeddings.position_embeddings.weight")
+        self.type0 = w("embeddings.token_type_embeddings.weight")[0]  # every input is one segment
+        self.ln0 = (w("embeddings.LayerNorm.weight"), w("embeddings.LayerNorm.bias"))
+        self.layers: list[Layer] = []
+        for i in range(arch.num_layers):
+            p = f"encoder.layer.{i}."
+            a = p + "attention.self."
+            self.layers.append(Layer(
+                torch.cat([w(a + "query.weight"), w(a + "key.weight"), w(a + "value.weight")]).contiguous(),
+                torch.cat([w(a + "query.bias"), w(a + "key.bias"), w(a + "value.bias")]),
+                w(p + "attention.output.dense.weight"), w(p + "attention.output.dense.bias"),
+                (w(p + "attention.output.LayerNorm.weight"), w(p + "attention.output.LayerNorm.bias")),
+                w(p + "intermediate.dense.weight"), w(p + "intermediate.dense.bias"),
+                w(p + "output.dense.weight"), w(p + "output.dense.bias"),
+                (w(p + "output.LayerNorm.weight"), w(p + "output.LayerNorm.bias"))))
+
+    @torch.inference_mode()
+    def forward(self, ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden (T, H), lengths (B,)) for B inputs of T tokens in all, packed in the order given; each input is
+        1..max_position tokens."""
+        a = self.arch
+        lengths = torch.tensor([len(x) for x in ids], dtype=torch.long)
+        flat = torch.tensor([t for x in ids for t in x], dtype=torch.long)
+        T, H = int(flat.numel()), a.hidden_size
+        pos = torch.cat([torch.arange(n) for n in lengths.tolist()])  # (T,)
+        spans = list(zip((torch.cumsum(lengths, 0) - lengths).tolist(), lengths.tolist()))  # each input's rows
+        x = F.layer_norm(self.word[flat] + self.position[pos] + self.type0, (H,), *self.ln0, a.eps)
+        att = torch.empty(T, H)
+        for layer in self.layers:
+            qkv = torch.addmm(layer.qkv_b, x, layer.qkv_w.t())  # (T, 3H)
+            for start, n in spans:  # attention within each input: its own rows, no padding, no mask
+                att[start:start + n] = attend(qkv[start:start + n], a.num_heads)
+            x = F.layer_norm(torch.addmm(layer.out_b, att, layer.out_w.t()) + x, (H,), *layer.ln1, a.eps)
+            up = F.gelu(torch.addmm(layer.up_b, x, layer.up_w.t()))  # (T, I); gelu: erf, as BERT's
+            x = F.layer_norm(torch.addmm(layer.down_b, up, layer.down_w.t()) + x, (H,), *layer.ln2, a.eps)
+        return x, lengths
+
+
+def attend(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    """(n, 3H) one input's query, key and value rows -> (n, H) its attention outputs (every token sees every
+    token of its input)."""
+    n, H = qkv.shape[0], qkv.shape[1] // 3
+    q, k, v = qkv.view(n, 3, heads, H // heads).permute(1, 2, 0, 3).contiguous()  # each (heads, n, hd)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=1.0 / math.sqrt(H // heads))
+    return out[0].transpose(0, 1).reshape(n, H)
