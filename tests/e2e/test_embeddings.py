@@ -1,13 +1,14 @@
 """/v1/embeddings with all-MiniLM-L6-v2 served beside Qwen2.5-Coder-0.5B (`kvseal serve --embed-model`), unified and
 disaggregated, through the official openai client and plain HTTP: equal to sentence-transformers (cosine >= 0.99999
-in float32) as floats and as base64; text and token ids give the same vectors; usage counts the tokens; what the
-model cannot do (fewer dimensions, an input over its length) is a 400 naming it; keys, rpm and the admin-only
-metrics hold as on every endpoint; and one tenant's flood does not hold up another tenant's request (the embed
-worker's fair queue)."""
+in float32) as floats and as base64, through LiteLLM and LangChain too; text and token ids give the same vectors;
+usage counts the tokens; what the model cannot do (fewer dimensions, an input over its length) is a 400 naming it;
+keys, rpm and the admin-only metrics hold as on every endpoint; and one tenant's flood does not hold up another
+tenant's request (the embed worker's fair queue)."""
 
 from __future__ import annotations
 
 import base64
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from tests.helpers.qwen_server import KEYS
 from tests.helpers.real_models import real_model
 
 pytestmark = pytest.mark.e2e
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price list from GitHub
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = ["The cat sits on the mat.", "", "Ünïcödé, 中文 and emoji 🚀 in one sentence!",
          "A kvseal router sends each embedding request to its embed worker. " * 14,  # ~200 tokens
@@ -85,6 +87,19 @@ def test_text_and_token_ids_give_the_same_vectors(setup: Setup) -> None:
     assert by_ids["data"][0]["embedding"] == one and lists["data"] == texts["data"]  # same batches: same bits
     assert lists["data"][0]["embedding"] == pytest.approx(one, abs=1e-6)  # another batch: float32 rounding apart
     assert by_ids["usage"]["prompt_tokens"] == len(ids[0])
+
+
+def test_litellm_and_langchain_embed_through_kvseal(setup: Setup) -> None:
+    import litellm  # here: after LITELLM_LOCAL_MODEL_COST_MAP above
+    from langchain_openai import OpenAIEmbeddings
+
+    want = setup.reference.encode(TEXTS[:2], convert_to_numpy=True)
+    lite = litellm.embedding(model="openai/" + MODEL, api_base=setup.url + "/v1", api_key=KEYS["e-alice"],
+                             input=TEXTS[:2])
+    lc = OpenAIEmbeddings(base_url=setup.url + "/v1", api_key=KEYS["e-alice"], model=MODEL,
+                          check_embedding_ctx_length=False)  # else it sends tiktoken's ids (docs/clients.md)
+    for got in ([d["embedding"] for d in lite.data], lc.embed_documents(TEXTS[:2])):
+        assert cosines(np.array(got, dtype=np.float32), want).min() >= 0.99999
 
 
 def test_what_the_model_cannot_do_is_a_400_naming_it(setup: Setup) -> None:
