@@ -96,7 +96,7 @@ def run(threads: int, rounds: int, folder: Path, gguf: Path, texts: list[str]) -
     log = tempfile.NamedTemporaryFile(prefix="llama-embed-", suffix=".log", delete=False).name  # noqa: SIM115
     llama = ManagedServer([str(PEERS / "bin" / "llama-server"), "-m", str(gguf), "--embedding", "--port",
                            str(port), "-t", str(threads), "-tb", str(threads)], f"http://127.0.0.1:{port}",
-                          "/health", log)
+                          "/health", log, env={"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]})
     try:
         llama.wait_ready(300)
         systems = {
@@ -145,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--gguf", default=str(Path(tempfile.gettempdir()) / "all-MiniLM-L6-v2-f32.gguf"))
     p.add_argument("--json", default=None, help="write the rounds and the machine record here")
+    p.add_argument("--omp-wait-policy", default="PASSIVE", choices=["PASSIVE", "ACTIVE"],
+                   help="OMP_WAIT_POLICY for all three (each uses OpenMP threads; kvseal's embed worker defaults to "
+                        "PASSIVE)")
     a = p.parse_args(argv)
+    os.environ["OMP_WAIT_POLICY"] = a.omp_wait_policy  # before torch loads here, and for both servers
     import tokenizers
 
     folder = model_folder()
@@ -159,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     results = [run(int(t), a.rounds, folder, gguf, texts) for t in a.threads.split(",")]
     print(header(machine))
     print(f"{len(texts)} sentences of {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all), one request "
-          f"each round, {a.rounds} rounds; load average {os.getloadavg()[0]:.1f}")
+          f"each round, {a.rounds} rounds, OMP_WAIT_POLICY={a.omp_wait_policy}; load average "
+          f"{os.getloadavg()[0]:.1f}")
     print(table(results))
     if a.json:
-        Path(a.json).write_text(json.dumps({"machine": machine, "lengths": lengths, "runs": results}, indent=1))
+        Path(a.json).write_text(json.dumps({"machine": machine, "lengths": lengths, "runs": results,
+                                            "omp_wait_policy": a.omp_wait_policy}, indent=1))
     return 0
 
 

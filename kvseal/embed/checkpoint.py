@@ -71,7 +71,8 @@ class Pipeline:
             sums = hidden.new_zeros(len(lengths), hidden.shape[1]).index_add_(0, segment, hidden)
             out = sums / (lengths.sqrt() if self.pooling == "mean_sqrt_len" else lengths)[:, None].to(hidden.dtype)
         elif self.pooling == "max":
-            out = hidden.new_full((len(lengths), hidden.shape[1]), -1e9).index_reduce_(0, segment, hidden, "amax")
+            out = hidden.new_empty(len(lengths), hidden.shape[1]).scatter_reduce_(
+                0, segment[:, None].expand_as(hidden), hidden, "amax", include_self=False)
         else:
             starts = torch.cumsum(lengths, 0) - lengths
             out = hidden[starts if self.pooling == "cls" else starts + lengths - 1]

@@ -36,8 +36,12 @@ class EmbedSide:
         member = fresh_member().with_allowed((router_keys.public,)) if router_keys is not None else None
         spec = EmbedSpec(model=cfg.model, port=port, threads=cfg.threads or os.cpu_count() or 1,
                          batch_tokens=cfg.batch_tokens, log_level=log_level, keys=member)
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvseal.embed.worker"], stdin=subprocess.PIPE,
-                                     env={**os.environ, LAUNCHER_PID_ENV: str(os.getpid())})
+        # OpenMP threads that sleep while they wait, unless the user chose: the encoder runs many short parallel
+        # regions (attention input by input), and threads spinning for a core that another process holds made a
+        # batch 10-30x slower on a busy 2-core machine (measured; docs/embeddings.md)
+        env = {**os.environ, LAUNCHER_PID_ENV: str(os.getpid()),
+               "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvseal.embed.worker"], stdin=subprocess.PIPE, env=env)
         assert self.proc.stdin is not None
         self.proc.stdin.write(msgspec.json.encode(spec))
         self.proc.stdin.close()
