@@ -104,17 +104,17 @@ class BertEncoder:
         for layer in self.layers:
             qkv = torch.addmm(layer.qkv_b, x, layer.qkv_w.t())  # (T, 3H)
             for start, n in spans:  # attention within each input: its own rows, no padding, no mask
-                att[start:start + n] = attend(qkv[start:start + n], a.num_heads)
+                attend(qkv[start:start + n], a.num_heads, att[start:start + n])
             x = F.layer_norm(torch.addmm(layer.out_b, att, layer.out_w.t()) + x, (H,), *layer.ln1, a.eps)
             up = F.gelu(torch.addmm(layer.up_b, x, layer.up_w.t()))  # (T, I); gelu: erf, as BERT's
             x = F.layer_norm(torch.addmm(layer.down_b, up, layer.down_w.t()) + x, (H,), *layer.ln2, a.eps)
         return x, lengths
 
 
-def attend(qkv: torch.Tensor, heads: int) -> torch.Tensor:
-    """(n, 3H) one input's query, key and value rows -> (n, H) its attention outputs (every token sees every
-    token of its input)."""
-    n, H = qkv.shape[0], qkv.shape[1] // 3
+def attend(qkv: torch.Tensor, heads: int, out: torch.Tensor) -> None:
+    """(n, 3H) one input's query, key and value rows -> its attention outputs written into `out` (n, H); every
+    token sees every token of its input."""
+    n, H = out.shape
     q, k, v = qkv.view(n, 3, heads, H // heads).permute(1, 2, 0, 3).contiguous()  # each (heads, n, hd)
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=1.0 / math.sqrt(H // heads))
-    return out[0].transpose(0, 1).reshape(n, H)
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=1.0 / math.sqrt(H // heads))
+    out.view(n, heads, H // heads).copy_(o[0].transpose(0, 1))  # one copy, straight into the packed rows
