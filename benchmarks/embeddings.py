@@ -6,7 +6,9 @@ The workload: one request of 64 sentences of 32 to 128 tokens (uniform, seeded; 
 vocabulary), texts a second over `--rounds` rounds after a warm-up, each system with the same CPU threads. The
 rounds go system by system in turn (kvseal, llama-server, sentence-transformers, then again), so load from
 elsewhere on the machine falls on all of them alike; the table gives each one's median and its ratio to
-llama-server's. Every answer is checked against sentence-transformers' embeddings (cosine).
+llama-server's. Beside it, texts per CPU-second each system used (its processes' user + system time over the
+round): on a machine shared with other work, how much CPU a system gets varies, how much it needs does not.
+Every answer is checked against sentence-transformers' embeddings (cosine).
 
     python -m benchmarks.embeddings                      # threads 1 and 2, 7 rounds each
     python -m benchmarks.embeddings --threads 2 --rounds 9 --json docs/bench/embeddings_DATE.json
@@ -84,6 +86,16 @@ def cos_min(a: np.ndarray, b: np.ndarray) -> float:
     return float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process and its children (None: this process alone, every thread of it)."""
+    import psutil
+
+    procs = [psutil.Process(pid)] if pid is not None else [psutil.Process()]
+    if pid is not None:
+        procs += procs[0].children(recursive=True)
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+
+
 def run(threads: int, rounds: int, folder: Path, gguf: Path, texts: list[str]) -> dict[str, Any]:
     import torch
     from sentence_transformers import SentenceTransformer
@@ -104,20 +116,25 @@ def run(threads: int, rounds: int, folder: Path, gguf: Path, texts: list[str]) -
             "llama-server": lambda: post(llama.url, "x", texts),
             "sentence-transformers": lambda: _st(st, texts),
         }
+        pids = {"kvseal": kvseal.p.pid, "llama-server": llama.p.pid, "sentence-transformers": None}
         reference = _st(st, texts)[1]
         times: dict[str, list[float]] = {k: [] for k in systems}
+        per_cpu: dict[str, list[float]] = {k: [] for k in systems}  # texts per CPU-second the system used
         agreement: dict[str, float] = {}
         for k, f in systems.items():  # warm-up
             agreement[k] = cos_min(f()[1], reference)
         for _ in range(rounds):
             for k, f in systems.items():
+                cpu = cpu_seconds(pids[k])
                 dt, _ = f()
                 times[k].append(len(texts) / dt)
+                per_cpu[k].append(len(texts) / max(cpu_seconds(pids[k]) - cpu, 1e-9))
     finally:
         kvseal.stop()
         llama.stop()
         os.unlink(log)
     return {"threads": threads, "texts_per_s": times, "median": {k: statistics.median(v) for k, v in times.items()},
+            "texts_per_cpu_s": per_cpu, "median_per_cpu_s": {k: statistics.median(v) for k, v in per_cpu.items()},
             "cosine_min_vs_sentence_transformers": agreement}
 
 
@@ -128,14 +145,15 @@ def _st(st: Any, texts: list[str]) -> tuple[float, np.ndarray]:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| threads | system | texts/s (median) | min / max of rounds | vs llama-server | min cosine vs ST |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [("| threads | system | texts/s (median) | min / max of rounds | vs llama-server | texts per CPU-second "
+              "| vs llama-server | min cosine vs ST |"), "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
-        ref = r["median"]["llama-server"]
+        ref, ref_cpu = r["median"]["llama-server"], r["median_per_cpu_s"]["llama-server"]
         for k, v in r["median"].items():
             lo, hi = min(r["texts_per_s"][k]), max(r["texts_per_s"][k])
-            lines.append(f"| {r['threads']} | {k} | {v:.1f} | {lo:.1f} / {hi:.1f} | {v / ref:.2f}x | "
-                         f"{r['cosine_min_vs_sentence_transformers'][k]:.7f} |")
+            c = r["median_per_cpu_s"][k]
+            lines.append(f"| {r['threads']} | {k} | {v:.1f} | {lo:.1f} / {hi:.1f} | {v / ref:.2f}x | {c:.1f} | "
+                         f"{c / ref_cpu:.2f}x | {r['cosine_min_vs_sentence_transformers'][k]:.7f} |")
     return "\n".join(lines)
 
 

@@ -38,7 +38,7 @@ class EmbedSide:
                          batch_tokens=cfg.batch_tokens, log_level=log_level, keys=member)
         # OpenMP threads that sleep while they wait, unless the user chose: the encoder runs many short parallel
         # regions (attention input by input), and threads spinning for a core that another process holds made a
-        # batch 10-30x slower on a busy 2-core machine (measured; docs/embeddings.md)
+        # batch 2-3x slower on a busy 2-core machine (docs/benchmarks.md, embeddings)
         env = {**os.environ, LAUNCHER_PID_ENV: str(os.getpid()),
                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         self.proc = subprocess.Popen([sys.executable, "-m", "kvseal.embed.worker"], stdin=subprocess.PIPE, env=env)
