@@ -124,6 +124,10 @@ class EmbedClient:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
+            if self.gone():  # the process ended: its calls fail now, not after dead_after_s
+                self.last_seen = 0.0
+                self._fail(WorkerFailed("the embed worker exited"))
+                continue
             try:
                 card = await self._call(lambda cid: wire.Hello(call_id=cid), self.dead_after_s)
                 assert isinstance(card, wire.Card)
@@ -131,10 +135,12 @@ class EmbedClient:
             except TimeoutError:
                 log.error("the embed worker at %s did not answer for %.0f s: failing its calls",
                           self.endpoint, self.dead_after_s)
-                err = WorkerFailed(f"the embed worker stopped answering for {self.dead_after_s:g}s")
-                for f in list(self._calls.values()):
-                    if not f.done():
-                        f.set_exception(err)
+                self._fail(WorkerFailed(f"the embed worker stopped answering for {self.dead_after_s:g}s"))
+
+    def _fail(self, err: WorkerFailed) -> None:
+        for f in list(self._calls.values()):
+            if not f.done():
+                f.set_exception(err)
 
     async def embed(self, tenant: str, weight: float, ids: list[list[int]]) -> np.ndarray:
         """(inputs, dim) float32 rows; KvsealError as the worker refused or failed. Cancelled (the client left):

@@ -1,10 +1,12 @@
 """The embed worker process (`python -m kvseal.embed.worker`, as `kvseal serve --embed-model` starts it) over real
 sockets on 127.0.0.1, with fleet keys: the router's key gets the card and embeddings equal to the model's in
 process; a stranger's key is refused at the handshake; a call a peer should never have sent (token
-ids outside the vocabulary, an input over the model's length) is refused with a 400, and the worker goes on."""
+ids outside the vocabulary, an input over the model's length) is refused with a 400, and the worker goes on; and a
+worker that dies fails the calls it held (502) and new ones (503) at once."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -21,8 +23,10 @@ from zmq.utils.monitor import recv_monitor_message
 from kvseal.auth.curve import as_client
 from kvseal.auth.keys import MemberKeys, fresh_member
 from kvseal.embed import wire
-from kvseal.embed.checkpoint import EmbedModel
+from kvseal.embed.checkpoint import EmbedFolder, EmbedModel
+from kvseal.embed.client import EmbedClient
 from kvseal.embed.worker import EmbedSpec
+from kvseal.errors import NoWorkerAvailable, WorkerFailed
 from kvseal.worker.protocol import LAUNCHER_PID_ENV
 from tests.helpers.procs import free_port
 from tests.helpers.real_models import real_model
@@ -37,8 +41,7 @@ class Running:
     worker_key: str
 
 
-@pytest.fixture(scope="module")
-def worker() -> Iterator[Running]:
+def start() -> tuple[subprocess.Popen[bytes], Running]:
     router = fresh_member()
     member = fresh_member().with_allowed((router.public,))
     port = free_port()
@@ -48,8 +51,14 @@ def worker() -> Iterator[Running]:
     assert proc.stdin is not None
     proc.stdin.write(msgspec.json.encode(spec))
     proc.stdin.close()
+    return proc, Running(f"tcp://127.0.0.1:{port}", router, member.public)
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[Running]:
+    proc, running = start()
     try:
-        yield Running(f"tcp://127.0.0.1:{port}", router, member.public)
+        yield running
     finally:
         proc.terminate()
         proc.wait(20)
@@ -110,3 +119,33 @@ def test_a_call_the_router_would_never_send_is_refused_and_the_worker_goes_on(wo
     assert isinstance(resp, wire.EmbedResp) and resp.error is not None and resp.error.status == 400
     ok = call(worker, wire.EmbedReq(call_id=5, tenant="t", weight=1.0, ids=[[101, 102]]))
     assert isinstance(ok, wire.EmbedResp) and ok.error is None and len(ok.data) == 384 * 4
+
+
+def test_a_worker_that_dies_fails_the_calls_it_held_and_refuses_new_ones() -> None:
+    """The router's client (as `kvseal serve` wires it) sees the process end: the call in flight fails with a 502
+    at the next heartbeat, a new call is a 503; neither waits for the silence timeout."""
+    proc, w = start()
+    folder = EmbedFolder(real_model("all-minilm-l6-v2"))
+    client = EmbedClient(w.endpoint, folder, keys=w.router, server_key=w.worker_key, dead_after_s=600.0)
+    client.gone = lambda: proc.poll() is not None
+
+    async def scenario() -> tuple[BaseException | None, BaseException | None]:
+        await client.start()
+        try:
+            ids = [[101] + [2000 + i % 500 for i in range(250)] + [102]] * 2000  # minutes of work on one thread
+            call = asyncio.ensure_future(client.embed("t", 1.0, ids))
+            await asyncio.sleep(0.5)
+            proc.kill()
+            first = await asyncio.wait_for(asyncio.gather(call, return_exceptions=True), 60)
+            second = await asyncio.gather(client.embed("t", 1.0, [[101, 102]]), return_exceptions=True)
+            return first[0], second[0]
+        finally:
+            await client.stop()
+
+    try:
+        held, new = asyncio.run(scenario())
+    finally:
+        proc.kill()
+        proc.wait(20)
+    assert isinstance(held, WorkerFailed) and held.status == 502, held
+    assert isinstance(new, NoWorkerAvailable) and new.status == 503, new
