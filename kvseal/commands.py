@@ -206,14 +206,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     keys = member_keys(a, "router")  # fresh unless --fleet-keys DIR or off
     fleet_host(a, keys)
     prefill_spec, decode_spec = worker_specs(a, os.cpu_count() or 1)
-    with Fleet(prefill_spec, decode_spec, a.prefill, a.decode, keys) as fleet:
-        embed = embed_side(a, fleet.router_keys)
-        try:
-            return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints, template, fleet.router_keys,
-                              fleet.server_keys, embed)
-        finally:
-            if embed is not None:
-                embed.stop()
+    embed = embed_side(a, keys)  # a folder it cannot embed with stops the start before any worker does
+    try:
+        with Fleet(prefill_spec, decode_spec, a.prefill, a.decode, keys) as fleet:
+            return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints, template,
+                              fleet.router_keys, fleet.server_keys, embed)
+    finally:
+        if embed is not None:
+            embed.stop()
 
 
 def embed_side(a: argparse.Namespace, keys: MemberKeys | None) -> EmbedSide | None:
@@ -264,6 +264,9 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
                          f"worker metrics port (its engine's per-tenant figures are on /metrics, for admin keys); "
                          f"drop the flag, or serve without --unified")
     cfg, scfg, template = engine_config(a), server_config(a), chat_template(a)
+    # before the engine loads: a folder it cannot embed with stops the start; the worker loads meanwhile (it exits
+    # with this process, whatever stops it)
+    embed = embed_side(a, member_keys(a, "router"))  # fresh keys for its channel unless --fleet-keys off
     if a.threads is not None:
         import torch
 
@@ -283,7 +286,6 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
         engine.context_window, engine.pool.capacity_tokens, engine.pool.num_pages, engine.pool.page_size,
         kv.kv_dtype, "on" if cfg.cache.scrub else "off", cfg.ledger.path or "off")
     one_tenant_notice(scfg)
-    embed = embed_side(a, member_keys(a, "router"))  # fresh keys for its channel unless --fleet-keys off
     try:
         serve_http(backend, scfg, a.log_level, engine, embed.client if embed is not None else None)
     finally:
