@@ -60,7 +60,8 @@ def judge(alone: list[Sample], flooded: list[Sample]) -> tuple[Verdict, str, dic
     p50, p99 = quantile(solo, 0.5) or 0.0, quantile(solo, 0.99) or 0.0
     f50, f99 = quantile(under, 0.5), quantile(under, 0.99)
     bound = max(SLOWDOWN_FACTOR * p99, p99 + SLOWDOWN_ADD_S)
-    figures = {"b_alone_p50_s": p50, "b_alone_p99_s": p99, "b_flooded_p50_s": f50, "b_flooded_p99_s": f99,
+    figures = {"b_alone_s": [round(x, 4) for x in solo], "b_flooded_s": [round(s.latency_s, 4) for s in flooded],
+               "b_alone_p50_s": p50, "b_alone_p99_s": p99, "b_flooded_p50_s": f50, "b_flooded_p99_s": f99,
                "b_flooded_errors": len(failed), "b_flooded_error_examples": [asdict(s) for s in failed[:5]],
                "p99_bound_s": bound, "thresholds": {"factor": SLOWDOWN_FACTOR, "add_s": SLOWDOWN_ADD_S}}
     head = f"tenant B's TTFT p50/p99 {p50:.3f}/{p99:.3f} s alone"
