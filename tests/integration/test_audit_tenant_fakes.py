@@ -179,6 +179,8 @@ def test_each_probe_judges_the_fake_as_built(fake: tuple[str, str], tmp_path: Pa
     assert report["unknown_key_status"] == 401
     evidence = {p["probe"]: p["evidence"] for p in report["probes"]}
     if mode == "leaky":
+        summaries = {p["probe"]: p["summary"] for p in report["probes"]}
+        assert all(what in summaries["stored_responses"] for what in ("read it", "continued it", "deleted it"))
         assert evidence["stored_responses"]["statuses"]["b_get"] == 200
         assert evidence["stored_responses"]["canary_in_b_get"]
         findings = " ".join(evidence["status_pages"]["findings"]["/metrics"])
