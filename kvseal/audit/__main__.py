@@ -63,6 +63,9 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--flood-chars", type=int, default=50_000,
                    help="noisy neighbour: characters of each of tenant A's /tokenize bodies (its chats take at most "
                         "half the window)")
+    t.add_argument("--flood-max-seconds", type=float, default=120.0,
+                   help="noisy neighbour: B's sampling under the flood ends after this long (or once one sample "
+                        "settles the verdict)")
     t.add_argument("--status-paths", default="/metrics,/info,/slots",
                    help="status pages tenant B reads for traces of tenant A")
 
@@ -148,9 +151,9 @@ def _tenant_audit(a: argparse.Namespace, base: str) -> int:
     from kvseal.audit.tenants import run_tenant_audit
 
     if a.probe_trials < 2 or a.probe_chars < 100 or a.noisy_samples < 2 or a.flood_concurrency < 1 \
-            or a.flood_chars < 100:
+            or a.flood_chars < 100 or a.flood_max_seconds <= 0:
         print("kvseal audit: --probe-trials and --noisy-samples must be at least 2, --flood-concurrency at least 1, "
-              "--probe-chars and --flood-chars at least 100", file=sys.stderr)
+              "--probe-chars and --flood-chars at least 100, --flood-max-seconds positive", file=sys.stderr)
         return 2
     paths = tuple(p.strip() for p in a.status_paths.split(",") if p.strip())
     if not paths or not all(p.startswith("/") for p in paths):
@@ -158,7 +161,8 @@ def _tenant_audit(a: argparse.Namespace, base: str) -> int:
         return 2
     config = ProbeConfig(trials=a.probe_trials, prompt_chars=a.probe_chars, cache_salt_per_key=a.cache_salt_per_key,
                          noisy_samples=a.noisy_samples, flood_concurrency=a.flood_concurrency,
-                         flood_chars=a.flood_chars, status_paths=paths, timeout=a.timeout)
+                         flood_chars=a.flood_chars, flood_max_s=a.flood_max_seconds, status_paths=paths,
+                         timeout=a.timeout)
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
     return run_tenant_audit(base, a.model, a.tenant_keys, a.probes, config, seed, a.report)
 
