@@ -95,7 +95,7 @@ def fake_app(mode: str) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await request.json()
-        return {"count": len(body["prompt"]) // 4, "tokens": []}
+        return {"count": len(body["prompt"]) // 4, "tokens": [1] * (len(body["prompt"]) // 4)}
 
     if mode == "bare":
         return app
@@ -187,6 +187,7 @@ def test_each_probe_judges_the_fake_as_built(fake: tuple[str, str], tmp_path: Pa
         assert "A's tenant name" in findings and "alice" in findings
         assert any(f.startswith("A's canary") for f in evidence["status_pages"]["findings"]["/slots"])
         noisy = evidence["noisy_neighbour"]  # the first 503 settles it: B is not asked again
+        assert noisy["tokenize_field"] == "prompt" and noisy["a_flood_answers"].get("/tokenize 200", 0) >= 1
         assert noisy["b_flooded_errors"] == noisy["b_flooded_taken"] == 1
         assert noisy["stopped_early"] == "B's request failed"
     if mode == "sealed":

@@ -21,7 +21,7 @@ import httpx
 from kvseal.audit.canary import filler
 from kvseal.audit.report import quantile
 from kvseal.audit.runner import make_client
-from kvseal.audit.tenant_probes.common import ProbeContext, ProbeError, Verdict, error_message, result
+from kvseal.audit.tenant_probes.common import ProbeContext, ProbeError, Verdict, error_message, json_of, result
 
 NAME = "noisy_neighbour"
 SLOWDOWN_FACTOR = 2.0
@@ -102,7 +102,7 @@ async def tokenize_shape(ctx: ProbeContext) -> str | None:
     for field in ("prompt", "content"):
         body = {"prompt": {"model": ctx.model, "prompt": "hello"}, "content": {"content": "hello"}}[field]
         r = await ctx.client.post("/tokenize", json=body, headers=ctx.auth("A"))
-        if r.status_code == 200:
+        if r.status_code == 200 and json_of(r).get("tokens"):  # llama.cpp answers {"prompt": ...} with no tokens
             return field
     return None
 

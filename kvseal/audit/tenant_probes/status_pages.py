@@ -136,8 +136,11 @@ async def run(ctx: ProbeContext) -> dict[str, Any]:
         a_ids["A's tenant name"] = a_name
     verdict, summary, findings = judge(views, a_ids, canary, b_name)
     metrics = "/metrics" if "/metrics" in paths and before["/metrics"][0] == after["/metrics"][0] == 200 else None
+    fleet = moved(before[metrics][1], after[metrics][1]) if metrics else []
+    if fleet:
+        summary += f"; {len(fleet)} fleet-wide figures on /metrics moved with A's chat (e.g. {fleet[0]})"
     return result(NAME, verdict, summary, findings=findings, a_tenant_name=a_name, b_tenant_name=b_name,
                   one_tenant=a_name is not None and a_name == b_name,
                   statuses={p: {"before": before[p][0], "during": during[p][0], "after": after[p][0]} for p in paths},
                   bytes_seen={p: len(v["text"]) for p, v in views.items()},
-                  fleet_figures_moved_by_a=moved(before[metrics][1], after[metrics][1])[:20] if metrics else None)
+                  fleet_figures_moved_by_a=fleet[:20])
