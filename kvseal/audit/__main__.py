@@ -61,8 +61,9 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
                    help="noisy neighbour: tenant B's one-token chats, alone and again under tenant A's flood")
     t.add_argument("--flood-concurrency", type=int, default=8, help="noisy neighbour: tenant A's requests in flight")
     t.add_argument("--flood-chars", type=int, default=50_000,
-                   help="noisy neighbour: characters of each of tenant A's /tokenize bodies (its chats take at most "
-                        "half the window)")
+                   help="noisy neighbour: characters of each of tenant A's /tokenize bodies")
+    t.add_argument("--flood-chat-chars", type=int, default=4000,
+                   help="noisy neighbour: characters of each of tenant A's chats (at most half the window)")
     t.add_argument("--flood-max-seconds", type=float, default=120.0,
                    help="noisy neighbour: B's sampling under the flood ends after this long (or once one sample "
                         "settles the verdict)")
@@ -151,9 +152,10 @@ def _tenant_audit(a: argparse.Namespace, base: str) -> int:
     from kvseal.audit.tenants import run_tenant_audit
 
     if a.probe_trials < 2 or a.probe_chars < 100 or a.noisy_samples < 2 or a.flood_concurrency < 1 \
-            or a.flood_chars < 100 or a.flood_max_seconds <= 0:
+            or min(a.flood_chars, a.flood_chat_chars) < 100 or a.flood_max_seconds <= 0:
         print("kvseal audit: --probe-trials and --noisy-samples must be at least 2, --flood-concurrency at least 1, "
-              "--probe-chars and --flood-chars at least 100, --flood-max-seconds positive", file=sys.stderr)
+              "--probe-chars, --flood-chars and --flood-chat-chars at least 100, --flood-max-seconds positive",
+              file=sys.stderr)
         return 2
     paths = tuple(p.strip() for p in a.status_paths.split(",") if p.strip())
     if not paths or not all(p.startswith("/") for p in paths):
@@ -161,7 +163,8 @@ def _tenant_audit(a: argparse.Namespace, base: str) -> int:
         return 2
     config = ProbeConfig(trials=a.probe_trials, prompt_chars=a.probe_chars, cache_salt_per_key=a.cache_salt_per_key,
                          noisy_samples=a.noisy_samples, flood_concurrency=a.flood_concurrency,
-                         flood_chars=a.flood_chars, flood_max_s=a.flood_max_seconds, status_paths=paths,
+                         flood_chars=a.flood_chars, flood_chat_chars=a.flood_chat_chars,
+                         flood_max_s=a.flood_max_seconds, status_paths=paths,
                          timeout=a.timeout)
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
     return run_tenant_audit(base, a.model, a.tenant_keys, a.probes, config, seed, a.report)

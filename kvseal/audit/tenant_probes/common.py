@@ -34,6 +34,7 @@ class ProbeConfig:
     noisy_samples: int = 20  # noisy neighbour: B's 1-token requests, alone and again under A's flood
     flood_concurrency: int = 8  # noisy neighbour: A's requests in flight at once
     flood_chars: int = 50_000  # noisy neighbour: characters of each of A's /tokenize bodies
+    flood_chat_chars: int = 4000  # noisy neighbour: characters of each of A's chats (at most half the window)
     flood_max_s: float = 120.0  # noisy neighbour: B's sampling under the flood ends after this long
     status_paths: tuple[str, ...] = ("/metrics", "/info", "/slots")
     timeout: float = 120.0  # seconds per request

@@ -2,10 +2,11 @@
 
 B sends `noisy_samples` one-token chats one after another, alone; then tenant A floods (`flood_concurrency`
 requests in flight on a connection pool of its own, alternating /tokenize bodies of `flood_chars` characters
-and chats of up to half the window) while B sends the same number again. A one-token chat's latency is B's time
-to first token. Broken: any of B's requests under the flood failed, or B's p99 under the flood exceeded
-max(SLOWDOWN_FACTOR x B's p99 alone, B's p99 alone + SLOWDOWN_ADD_S). Both bounds are in the evidence. Sampling
-under the flood ends early once the verdict is settled or after `flood_max_s` (the evidence says which).
+and chats of `flood_chat_chars`, at most half the window) while B sends the same number again. A one-token
+chat's latency is B's time to first token. Broken: any of B's requests under the flood failed, or B's p99 under
+the flood exceeded max(SLOWDOWN_FACTOR x B's p99 alone, B's p99 alone + SLOWDOWN_ADD_S). Both bounds are in the
+evidence. Sampling under the flood ends early once the verdict is settled or after `flood_max_s` (the evidence
+says which).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ NAME = "noisy_neighbour"
 SLOWDOWN_FACTOR = 2.0
 SLOWDOWN_ADD_S = 1.0
 FLOOD_WARMUP_S = 0.5  # A's flood runs this long before B's first sample under it
-DEFAULT_WINDOW = 2048  # tokens, when the server advertises none
 
 
 @dataclass
@@ -109,8 +109,9 @@ async def tokenize_shape(ctx: ProbeContext) -> str | None:
 
 def flood_bodies(ctx: ProbeContext, field: str | None) -> list[tuple[str, dict[str, Any]]]:
     """(path, body) pairs A's flood cycles through."""
-    chars = ctx.config.flood_chars
-    chat_chars = min(chars, (ctx.window or DEFAULT_WINDOW) * 2)  # about half the window at ~4 characters a token
+    chars, chat_chars = ctx.config.flood_chars, ctx.config.flood_chat_chars
+    if ctx.window is not None:
+        chat_chars = min(chat_chars, ctx.window * 2)  # at most about half the window at ~4 characters a token
     chat = ("/v1/chat/completions", {"model": ctx.model, "max_tokens": 16, "temperature": 0, "messages": [
         {"role": "user", "content": "Summarize: " + filler(chat_chars, None, ctx.rng)}]})
     if field is None:
@@ -169,4 +170,5 @@ async def run(ctx: ProbeContext) -> dict[str, Any]:
     return result(NAME, verdict, summary, samples=ctx.config.noisy_samples, b_flooded_taken=len(flooded),
                   stopped_early=stopped, flood_max_s=ctx.config.flood_max_s,
                   flood_concurrency=ctx.config.flood_concurrency, flood_chars=ctx.config.flood_chars,
+                  flood_chat_chars=ctx.config.flood_chat_chars,
                   tokenize_field=field, a_flood_answers=dict(tally), **figures)
