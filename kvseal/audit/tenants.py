@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -61,6 +62,7 @@ async def audit(base: str, model: str | None, keys: tuple[str, str], config: Pro
     salts = {t: f"tenant-{t.lower()}-{rng.getrandbits(64):016x}" for t in ("A", "B")} \
         if config.cache_salt_per_key else None
     report: dict[str, Any] = {"audit": "tenant isolation", "target": base, "started": started, "seed": seed,
+                              "run": secrets.token_hex(4),
                               "config": {**asdict(config), "probes": list(probes)}}
     async with make_client(base, config.timeout, 4, None) as client:
         client.headers["Authorization"] = f"Bearer {keys[0]}"
@@ -70,7 +72,7 @@ async def audit(base: str, model: str | None, keys: tuple[str, str], config: Pro
             return redact({**report, "verdict": "COULD NOT RUN", "exit_code": 2, "error": str(exc), "probes": []},
                           {"A": keys[0], "B": keys[1]})
         del client.headers["Authorization"]
-        ctx = ProbeContext(client, {"A": keys[0], "B": keys[1]}, found, window, rng, config, salts)
+        ctx = ProbeContext(client, {"A": keys[0], "B": keys[1]}, found, window, rng, config, report["run"], salts)
         refused, report["unknown_key_status"] = await preflight(ctx)
         if refused:
             return redact({**report, "model": found, "verdict": "COULD NOT RUN", "exit_code": 2, "error": refused,

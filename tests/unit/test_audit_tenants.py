@@ -3,8 +3,10 @@ codes, and keys that never reach the report."""
 
 from __future__ import annotations
 
+import random
+
 from kvseal.audit.tenant_probes.common import redact
-from kvseal.audit.tenant_probes.prefix_cache import Trial, judge
+from kvseal.audit.tenant_probes.prefix_cache import Trial, judge, prompt_text
 from kvseal.audit.tenants import exit_code, parse_keys, parse_probes
 
 
@@ -71,3 +73,9 @@ def test_keys_are_redacted_everywhere_in_a_report() -> None:
     out = redact(report, keys)
     assert out == {"summary": "saw <key A> in /metrics", "evidence": {"<key B>": ["x <key B> y", 3]}}
     assert "sk-" not in str(out)
+
+
+def test_the_same_seed_twice_still_sends_fresh_prompts() -> None:
+    # a second run against a warm cache (vLLM reports no cached_tokens) would time a hit as A's "first" send
+    first, again = (prompt_text(300, random.Random(1), run) for run in ("1a2b3c4d", "5e6f7a8b"))
+    assert first[:16] != again[:16] and first[22:] == again[22:]  # the seed still fixes the prose

@@ -48,6 +48,7 @@ class ProbeContext:
     window: int | None  # advertised context window in tokens, when the server says
     rng: random.Random
     config: ProbeConfig
+    run: str  # random per run (not from the seed): prompts that must be fresh start with it
     salts: dict[str, str] | None = None  # "A" / "B" -> cache_salt, with --cache-salt-per-key
 
     def auth(self, tenant: str) -> dict[str, str]:

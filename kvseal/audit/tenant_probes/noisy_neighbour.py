@@ -130,7 +130,7 @@ async def flood(ctx: ProbeContext, bodies: list[tuple[str, dict[str, Any]]], sto
             while not stop.is_set():
                 path, body = bodies[i % len(bodies)]
                 if "messages" in body:  # a first page of its own: a cache never makes A's flood cheap
-                    text = f"Request {w}-{i}. " + body["messages"][0]["content"]
+                    text = f"Request {ctx.run}-{w}-{i}. " + body["messages"][0]["content"]
                     body = {**body, "messages": [{"role": "user", "content": text}]}
                 try:
                     r = await c.post(path, json=body, headers=ctx.auth("A"))

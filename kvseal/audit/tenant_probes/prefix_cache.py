@@ -46,9 +46,10 @@ class Trial:
     a_again_cached: int | None
 
 
-def prompt_text(chars: int, rng: random.Random) -> str:
-    """About `chars` of prose that starts unlike any other probe prompt (so no two share a first page)."""
-    return f"Case {rng.randrange(10**12):012d}. " + filler(chars, None, rng)
+def prompt_text(chars: int, rng: random.Random, run: str) -> str:
+    """About `chars` of prose that starts unlike any other probe prompt, of this run or an earlier one with the
+    same seed (so no two share a first page, and a server's warm cache never serves a 'first' send)."""
+    return f"Case {run}-{rng.randrange(10**12):012d}. " + filler(chars, None, rng)
 
 
 async def timed(ctx: ProbeContext, tenant: str, prompt: str) -> tuple[float, int | None]:
@@ -64,10 +65,10 @@ async def timed(ctx: ProbeContext, tenant: str, prompt: str) -> tuple[float, int
 
 async def run_trials(ctx: ProbeContext) -> list[Trial]:
     chars, rng = ctx.config.prompt_chars, ctx.rng
-    await timed(ctx, "A", prompt_text(chars, rng))  # warm-up: first-request costs stay out
+    await timed(ctx, "A", prompt_text(chars, rng, ctx.run))  # warm-up: first-request costs stay out
     out = []
     for i in range(ctx.config.trials):
-        p, f = prompt_text(chars, rng), prompt_text(chars, rng)
+        p, f = prompt_text(chars, rng, ctx.run), prompt_text(chars, rng, ctx.run)
         a_first, _ = await timed(ctx, "A", p)
         if i % 2 == 0:
             b_copy, b_cached = await timed(ctx, "B", p)
