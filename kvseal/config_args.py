@@ -1,5 +1,6 @@
-"""Command-line flags built from the config dataclasses' fields (kvseal/config.py `opt` metadata), and the configs
-built back from them: one front door for `kvseal serve`, the worker roles, the router and `kvseal.LLM`.
+"""Command-line flags built from the config dataclasses' fields (the `opt` metadata of kvseal/config.py and
+kvseal/config_fleet.py), and the configs built back from them: one front door for `kvseal serve`, the worker roles,
+the router and `kvseal.LLM`.
 
 A field's flag is --its-name unless its metadata names another; its type, default and help come from the field. The
 parsed value lands in the namespace under the flag's name (`--kv-pool-tokens` -> `a.kv_pool_tokens`, the positional
