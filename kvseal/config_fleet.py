@@ -142,8 +142,8 @@ class RouterConfig:
     fleet_port: int = opt(0, "port where workers started with --router HOST:PORT join (0: any free port; the one "
                           "chosen is in the log and in /info as fleet_endpoint)")
     fleet_host: str | None = opt(None, "address of the fleet port (default: --host)")
-    startup_timeout_s: float = opt(300.0, "seconds the router waits for each worker it starts with to answer (a "
-                                   "worker still loading its model) before it refuses to start",
+    startup_timeout_s: float = opt(300.0, "seconds the router waits at start for the workers it starts with to "
+                                   "answer (workers still loading their model) before it refuses to start",
                                    flag="--startup-timeout")
 
     def __post_init__(self) -> None:
