@@ -14,7 +14,7 @@ from typing import Any
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def opt(default: Any, help: str, flag: str | None = None, **argparse: Any) -> Any:
+def opt(default: Any, help: str | None, flag: str | None = None, **argparse: Any) -> Any:
     """A config field that is a command-line flag: `help` is its --help text, `flag` its name (default
     --field-name; "model" for a positional), `argparse` anything else add_argument takes (choices, metavar, action).
     """
