@@ -74,7 +74,7 @@ def run_worker(spec: WorkerSpec) -> int:
     from kvseal.engine.engine import Engine
     from kvseal.faults import hooks_from_spec
     from kvseal.worker.decode import DecodeWorker
-    from kvseal.worker.join import Registration
+    from kvseal.worker.join import Registrations
     from kvseal.worker.prefill import PrefillWorker
     from kvseal.worker.server import WorkerServer
 
@@ -105,8 +105,8 @@ def run_worker(spec: WorkerSpec) -> int:
             "with the metrics token" if spec.metrics_token_sha256 else "off, no --metrics-token-file")
     if spec.router:
         port = server.endpoint.rsplit(":", 1)[1]
-        server.join = Registration(server.ctx, spec.router, spec.role,
-                                   f"tcp://{spec.advertise_host or spec.host}:{port}", spec.keys, spec.router_key)
+        server.join = Registrations(server.ctx, spec.router, spec.role,
+                                    f"tcp://{spec.advertise_host or spec.host}:{port}", spec.keys, spec.router_key)
     return server.run()
 
 
