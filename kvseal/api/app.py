@@ -16,6 +16,7 @@ Every response carries X-Request-Id, and every request that did not complete is 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -25,14 +26,12 @@ from kvseal import __version__
 from kvseal.api.anthropic_errors import AnthropicErrors
 from kvseal.api.http_errors import install_error_handlers
 from kvseal.api.routes import generate, messages, responses, status, tokens
-from kvseal.api.routes.deps import DEFAULT_POLICY
 from kvseal.config import ServerConfig
 from kvseal.router.backend import Backend
 from kvseal.tenancy.bodylimit import BodyLimit
-from kvseal.tenancy.limits import RateLimiter
 from kvseal.tenancy.ratelimit import RateLimits
 from kvseal.tenancy.requestlog import RequestLog
-from kvseal.tenancy.response_store import ResponseStore, budget_for
+from kvseal.tenancy.state import build_state
 from kvseal.tenancy.tenants import TenantAuth
 from kvseal.tenancy.tenantview import TenantFigures, new_figures
 from kvseal.tenancy.textpool import TextPool
@@ -46,6 +45,9 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
             yield
         finally:
             app.state.text_pool.shutdown()
+            closed = state.close()
+            if closed is not None:
+                await closed
             await backend.stop()
 
     app = FastAPI(title="kvseal", version=__version__, lifespan=lifespan)
@@ -58,14 +60,14 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
     app.state.tenant_figures = new_figures()  # each tenant's own requests, for its /info (tenancy/tenantview.py)
     app.add_middleware(TenantFigures, figures=app.state.tenant_figures)  # inside TenantAuth: knows the tenant
     app.state.tenant_policies = dict(cfg.tenants)  # weight and class for each request (routes/generate.py)
-    app.state.limits = RateLimiter(app.state.tenant_policies)
+    state = build_state(cfg, app.state.tenant_policies)  # memory, or Redis shared by every router (issue 34)
+    app.state.limits, app.state.responses = state.limits, state.responses
+    logging.getLogger("kvseal").info("tenant state (limits, stored responses): %s", state.where)
     app.add_middleware(RateLimits, limiter=app.state.limits)  # inside TenantAuth, before any body is read
     app.add_middleware(TenantAuth, api_keys=cfg.api_keys, admin_keys=cfg.admin_keys)  # runs before any body is read
     app.add_middleware(AnthropicErrors)  # outside every part that may write an error: one shape per route
     app.add_middleware(RequestLog)  # added last: outermost, it sees every response
     install_error_handlers(app)
-    policies = app.state.tenant_policies  # the Responses API's stored responses: a partition per tenant
-    app.state.responses = ResponseStore(lambda t: budget_for(policies.get(t, DEFAULT_POLICY)))
     for module in (status, generate, tokens, messages, responses):
         app.include_router(module.router)
     return app

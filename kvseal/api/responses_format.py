@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvseal.api.protocol import template_arguments
@@ -82,8 +82,9 @@ class ResponsesStream:
     finished Response before its last event goes out (the route stores it there)."""
 
     def __init__(self, shell: Shell, splitter: Splitter | None,
-                 done: Callable[[dict[str, Any], list[dict[str, Any]]], None]) -> None:
+                 done: Callable[[dict[str, Any], list[dict[str, Any]]], Awaitable[None]]) -> None:
         self.shell, self.splitter, self.done = shell, splitter, done
+        self._answered: tuple[dict[str, Any], list[dict[str, Any]]] | None = None  # for settle()
         self.seq = 0
         self.items: list[dict[str, Any]] = []
         self.message: dict[str, Any] | None = None  # the open message item
@@ -107,10 +108,14 @@ class ResponsesStream:
             status = status_of(d)
             out += self._close(status)
             body = self.shell.body(status, self.items, d)
-            self.done(body, self.items)
+            self._answered = (body, self.items)
             out.append(self._ev("response.completed" if status == "completed" else "response.incomplete",
                                 response=body))
         return out
+
+    async def settle(self) -> None:
+        if self._answered is not None:
+            await self.done(*self._answered)
 
     def closing(self, finals: list[GenerateDelta]) -> list[str]:
         return []

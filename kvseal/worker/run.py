@@ -61,7 +61,7 @@ def run_worker(spec: WorkerSpec) -> int:
     from kvseal.engine.engine import Engine
     from kvseal.faults import hooks_from_spec
     from kvseal.worker.decode import DecodeWorker
-    from kvseal.worker.join import Registration
+    from kvseal.worker.join import Registrations
     from kvseal.worker.prefill import PrefillWorker
     from kvseal.worker.server import WorkerServer
 
@@ -93,8 +93,8 @@ def run_worker(spec: WorkerSpec) -> int:
             "with the metrics token" if spec.metrics_token_sha256 else "off, no --metrics-token-file")
     if w.router:
         port = server.endpoint.rsplit(":", 1)[1]
-        server.join = Registration(server.ctx, peer_endpoint(w.router), spec.role,
-                                   f"tcp://{w.advertise_host or w.host}:{port}", spec.keys, spec.router_key)
+        server.join = Registrations(server.ctx, peer_endpoint(w.router), spec.role,
+                                    f"tcp://{w.advertise_host or w.host}:{port}", spec.keys, spec.router_key)
     return server.run()
 
 

@@ -244,7 +244,7 @@ def test_store_false_keeps_nothing_and_a_conversation_over_the_budget_is_refused
             r = await responses_post(c, {"input": "hi", "store": False})
             assert r.status_code == 200
             assert (await c.get(f"/v1/responses/{r.json()['id']}", headers=ALICE)).status_code == 404
-            assert len(app.state.responses) == 0
+            assert len(app.state.responses.store) == 0
             kept = await responses_post(c, {"input": "hi"})
             assert (await c.get(f"/v1/responses/{kept.json()['id']}", headers=ALICE)).status_code == 200
             metadata = {f"k{i}": "v" * 300 for i in range(16)}  # 4.8 kB echoed with the answer: over the 4.1

@@ -25,14 +25,15 @@ from kvseal.api.routes.generate import budget, fan_out
 from kvseal.api.tools.calls import Text
 from kvseal.api.tools.plan import plan_tools
 from kvseal.errors import InvalidRequest, NotFound
-from kvseal.tenancy.response_store import ResponseStore, entry_size
+from kvseal.tenancy.response_store import entry_size
+from kvseal.tenancy.state import Responses
 from kvseal.wire.messages import SamplingParams
 
 router = APIRouter()
 
 
-def store_of(request: Request) -> ResponseStore:
-    store: ResponseStore = request.app.state.responses  # set by api/app.build_app
+def store_of(request: Request) -> Responses:
+    store: Responses = request.app.state.responses  # set by api/app.build_app
     return store
 
 
@@ -52,7 +53,7 @@ def settings_of(body: ResponsesRequest) -> dict[str, Any]:
             "truncation": "disabled", "metadata": body.metadata or {}, "store": body.store, "user": body.user}
 
 
-def fits(store: ResponseStore, tenant: str, conversation: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+def fits(store: Responses, tenant: str, conversation: list[dict[str, Any]], settings: dict[str, Any]) -> None:
     """With store: true, a conversation that alone is over the tenant's stored-response budget is refused before
     any work: its answer could never be kept, and nothing else of the tenant's would survive trying."""
     need, cap = entry_size(conversation, settings), store.budget_of(tenant).bytes
@@ -69,7 +70,7 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
     check_model(backend, body.model)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
-        prev = store.get(tenant, body.previous_response_id)  # another tenant's id is as absent as a made-up one
+        prev = await store.get(tenant, body.previous_response_id)  # another tenant's id is as absent as a made-up one
         if prev is None:
             raise _missing(body.previous_response_id, "previous_response_id")
         history = prev.conversation
@@ -95,11 +96,11 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
     rid = new_id("resp_")
     shell = Shell(rid, backend.model_name, settings_of(body))
 
-    def done(out: dict[str, Any], items: list[dict[str, Any]]) -> None:
+    async def done(out: dict[str, Any], items: list[dict[str, Any]]) -> None:
         if body.store:
-            store.put(tenant, rid, [*conversation, assistant_turn(items)], out)
+            await store.put(tenant, rid, [*conversation, assistant_turn(items)], out)
 
-    fan = fan_out(request, rid, ids, params, 1, None)
+    fan = await fan_out(request, rid, ids, params, 1, None)
     if body.stream:
         return await respond.stream(request, fan, ResponsesStream(shell, plan.splitter() if plan else None, done))
     samples = await respond.gather(request, fan)
@@ -117,13 +118,13 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
         if item["type"] == "message":
             item["status"] = status  # a message cut by max_output_tokens is incomplete
     out = shell.body(status, items, s.final)
-    done(out, items)
+    await done(out, items)
     return JSONResponse(out)
 
 
 @router.get("/v1/responses/{rid}")
 async def retrieve(rid: str, request: Request) -> Any:
-    found = store_of(request).get(tenant_of(request), rid)
+    found = await store_of(request).get(tenant_of(request), rid)
     if found is None:
         raise _missing(rid)
     return found.body
@@ -131,6 +132,6 @@ async def retrieve(rid: str, request: Request) -> Any:
 
 @router.delete("/v1/responses/{rid}")
 async def delete(rid: str, request: Request) -> Any:
-    if not store_of(request).delete(tenant_of(request), rid):
+    if not await store_of(request).delete(tenant_of(request), rid):
         raise _missing(rid)
     return {"id": rid, "object": "response", "deleted": True}
