@@ -31,13 +31,13 @@ from benchmarks import cpu_record
 from kvseal import llm as api
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.engine.scheduler import Batch
 from kvseal.engine.sequence import Sequence
 from kvseal.kv.allocator import pages_for
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.detokenize import IncrementalDecoder
 from kvseal.model.loader import load_checkpoint
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in two sentences.", "What is 12 times 12?",

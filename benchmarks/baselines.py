@@ -230,7 +230,7 @@ def _has_matplotlib() -> bool:
 
 
 def settings_from(a: argparse.Namespace) -> Settings:
-    from kvseal.model.loader import DEFAULT_MODEL_NAME, default_model_path
+    from kvseal.model.locate import DEFAULT_MODEL_NAME, default_model_path
 
     return Settings(model_path=a.model or default_model_path(), dtype=a.dtype, threads=a.threads, n_ctx=a.n_ctx,
                     max_batch=a.max_batch, explicit_model=a.model is not None,

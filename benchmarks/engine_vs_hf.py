@@ -102,7 +102,7 @@ def hf_run_fn(model: Any, pad_id: int, outputs: dict[str, list[int]]) -> RunFn:
 
 
 def engine_run_fn(engine: Any, outputs: dict[str, list[int]]) -> RunFn:
-    from kvseal.engine.messages import GenerateRequest, SamplingParams
+    from kvseal.wire.messages import GenerateRequest, SamplingParams
 
     counter = [0]
 

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--print-dir", action="store_true", help="print the output folder and exit")
     a = p.parse_args(argv)
-    from kvseal.model.loader import DEFAULT_MODEL_NAME, default_model_path
+    from kvseal.model.locate import DEFAULT_MODEL_NAME, default_model_path
 
     gguf = a.gguf or default_model_path()
     out = output_dir(a.out_root, gguf, a.name or (None if a.gguf else DEFAULT_MODEL_NAME))

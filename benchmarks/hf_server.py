@@ -41,7 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from benchmarks.common import hf_model, left_pad
-from kvseal.router.openai_format import Choice, ResponseBuilder, usage
+from kvseal.api.openai_format import Choice, ResponseBuilder, usage
 
 log = logging.getLogger("benchmarks.hf_server")
 

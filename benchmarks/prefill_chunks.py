@@ -16,8 +16,8 @@ import torch
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.model.loader import load_checkpoint
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,10 +31,10 @@ from benchmarks.common import machine_info
 from kvseal import llm as api
 from kvseal.config import CacheConfig, EngineConfig, LedgerConfig, ModelConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.kv.allocator import pages_for
 from kvseal.model.loader import load_checkpoint
 from kvseal.transfer.manifest import pack_pages, page_checksums
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 
 
 def run_workload(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str) -> float:

@@ -49,15 +49,13 @@ from kvseal.transfer.manifest import (
     KVManifest,
     PagePayload,
     PoolPages,
-    Reservation,
     build_manifest,
     dtype_name,
-    new_nonce,
-    new_reservation_id,
     page_nbytes,
     unpack_into,
 )
 from kvseal.transfer.verify import verify, verify_identity, verify_landed
+from kvseal.wire.reservation import Reservation, new_nonce, new_reservation_id
 
 FP = "bench-fingerprint"
 MODES = ("raw", "zmq", "nixl", "nixl-tcp", "zmq-move", "nixl-move", "nixl-tcp-move", "zmq-mac", "zmq-curve",

@@ -21,11 +21,11 @@ import torch
 from benchmarks import cpu_record
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.kv.allocator import pages_for
 from kvseal.kv.window import split_pages, split_window
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.loader import load_checkpoint
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 
 
 def run(ck: Checkpoint, prompt: list[int], new: int, window_pages: bool, arithmetic: str,

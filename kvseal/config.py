@@ -14,7 +14,7 @@ from typing import Any
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def opt(default: Any, help: str, flag: str | None = None, **argparse: Any) -> Any:
+def opt(default: Any, help: str | None, flag: str | None = None, **argparse: Any) -> Any:
     """A config field that is a command-line flag: `help` is its --help text, `flag` its name (default
     --field-name; "model" for a positional), `argparse` anything else add_argument takes (choices, metavar, action).
     """
@@ -128,10 +128,10 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class TenantPolicy:
-    """One tenant's share and limits, from its lines of the --api-keys file (router/tenant_file.py).
+    """One tenant's share and limits, from its lines of the --api-keys file (tenancy/tenant_file.py).
 
     weight and priority_class travel to every worker with each request (never from the client); the limits are
-    kept by the router (router/limits.py). None: no limit."""
+    kept by the router (tenancy/limits.py). None: no limit."""
 
     weight: float = 1.0  # its share of every engine against the other backlogged tenants (VTC)
     priority_class: int = 0  # lower is served first, across tenants; within a class tenants share by weight
@@ -139,7 +139,7 @@ class TenantPolicy:
     rpm: int | None = None  # requests per minute
     tpm: int | None = None  # tokens per minute: prompt + max_tokens charged at admission, unused output refunded
     kv_share: float = 1.0  # most of each engine's KV pages its requests may hold when one more is admitted
-    store_mb: float = 64.0  # its stored responses (router/response_store.py): its own partition, in MiB
+    store_mb: float = 64.0  # its stored responses (tenancy/response_store.py): its own partition, in MiB
 
     def __post_init__(self) -> None:
         _need(0 < self.weight <= 1e6, "weight", self.weight, "give a positive number (a share against other "
@@ -166,6 +166,17 @@ class ServerConfig:
     text_threads_per_tenant: int = opt(0, "most of those threads one tenant's prompts may hold at once; 0: half "
                                        "of them (all of them on a server without --api-keys: one tenant)",
                                        metavar="N")
+    state: str | None = opt(None, "where tenants' limits and stored responses live: this router's memory (default), "
+                            "or redis://HOST:PORT/DB, shared by every router of the fleet (limits fail closed "
+                            "when it is unreachable)", metavar="redis://HOST:PORT/DB")
+    state_password_file: str | None = opt(None, "a file holding the Redis password (never on the command line)",
+                                          metavar="FILE")
+    state_secret_file: str | None = opt(None, "a file of at least 32 random bytes: the key that seals stored "
+                                        "responses at rest (AES-GCM, a key per tenant) and hashes the tenant "
+                                        "names in Redis; every router of the fleet reads the same one",
+                                        metavar="FILE")
+    state_lease_s: float = opt(30.0, "with --state: seconds a router's place for a request in flight lasts "
+                               "unless renewed (a dead router's places free within it)", metavar="SECONDS")
     # (SHA-256 of a key, its tenant) from --api-keys; empty: no auth, one tenant. Digests only, never keys.
     api_keys: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)  # digests of the api keys marked `admin`
@@ -174,7 +185,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _need(0 <= self.port < 65536, "port", self.port, "give a TCP port 0-65535")
         _need(all(len(d) == 64 and t for d, t in self.api_keys), "api_keys", f"{len(self.api_keys)} entries",
-              "give (sha256 hex digest of a key, tenant name) pairs (kvseal.router.tenants.load_api_keys)")
+              "give (sha256 hex digest of a key, tenant name) pairs (kvseal.tenancy.tenants.load_api_keys)")
         _need(set(self.admin_keys) <= {d for d, _ in self.api_keys}, "admin_keys", f"{len(self.admin_keys)} entries",
               "mark keys of the --api-keys file as admin (a third word `admin` on their line)")
         _need({t for t, _ in self.tenants} <= {t for _, t in self.api_keys}, "tenants",
@@ -182,6 +193,12 @@ class ServerConfig:
         _need(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "give a positive size")
         _need(self.tenant_body_bytes >= self.max_body_bytes, "tenant_body_bytes", self.tenant_body_bytes,
               f"give at least --max-body-bytes ({self.max_body_bytes}): one whole request must fit")
+        _need(self.state is None or self.state.startswith("redis://"), "state", self.state,
+              "give redis://HOST:PORT/DB, or leave it out to keep tenant state in this router's memory")
+        _need(self.state is None or self.state_secret_file is not None, "state_secret_file", None,
+              "with --state, give --state-secret-file FILE (the same on every router): stored responses are sealed "
+              "with it")
+        _need(1.0 <= self.state_lease_s <= 3600, "state_lease_s", self.state_lease_s, "give 1 to 3600 seconds")
         _need(0 <= self.text_threads <= 256, "text_threads", self.text_threads, "give 0 (auto) to 256 threads")
         _need(0 <= self.text_threads_per_tenant <= self.text_pool_threads, "text_threads_per_tenant",
               self.text_threads_per_tenant, f"give 0 (auto) to --text-threads ({self.text_pool_threads})")

@@ -20,7 +20,8 @@ from typing import Any
 
 import httpx
 
-from kvseal.kv.spec import KVSpec
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.roles import Role
 
 # what the serving nodes must agree on, by their /info names: the KV spec's fields, kernels, arithmetic, tokenizer.
 # Read from /info's JSON with .get: doctor reads any router or unified server (of any version), whose nodes may
@@ -45,16 +46,17 @@ class Probe:
 
 def nodes(info: dict[str, Any]) -> list[dict[str, Any]]:
     """The workers of a router's /info, or the one unified engine."""
-    if info.get("role") == "unified":
+    if info.get("role") == Role.UNIFIED:
         return [{**info, "endpoint": "(in the router process)", "state": "serving", "alive": True}]
     return list(info.get("workers", []))
 
 
 def serving_pairs(info: dict[str, Any]) -> list[tuple[str, str]]:
-    if info.get("role") == "unified":
+    if info.get("role") == Role.UNIFIED:
         return []
     ws = [w for w in nodes(info) if w.get("state") == "serving"]
-    return [(p["endpoint"], d["endpoint"]) for p in ws if p["role"] == "prefill" for d in ws if d["role"] == "decode"]
+    prefills = [p for p in ws if p["role"] == Role.PREFILL]
+    return [(p["endpoint"], d["endpoint"]) for p in prefills for d in ws if d["role"] == Role.DECODE]
 
 
 def assess(info: dict[str, Any], probes: list[Probe]) -> list[Problem]:
@@ -80,7 +82,7 @@ def assess(info: dict[str, Any], probes: list[Probe]) -> list[Problem]:
             out.append(Problem(f"{name} holds {pool} KV tokens, less than the {window}-token served window",
                                f"restart it with --kv-pool-tokens {window} or more, or lower the router's "
                                f"--max-model-len to {pool}"))
-    for role in ("prefill", "decode") if info.get("role") != "unified" else ():
+    for role in ("prefill", "decode") if info.get("role") != Role.UNIFIED else ():
         if not any(w["role"] == role and w.get("state") == "serving" for w in ws):
             out.append(Problem(f"no {role} worker is serving: every request gets 503 no_worker",
                                f"start a {role} worker (`kvseal {role} --router HOST:FLEET_PORT`)"))
@@ -138,7 +140,7 @@ def table(url: str, info: dict[str, Any]) -> str:
     head = ("node", "role", "state", "pool/window", "fingerprint", "page", "kv dtype", "layout", "kernels/arith",
             "faults", "free/cached", "inflight")
     rows = [("router " + url, "router", "up", f"-/{window}", "-", "-", "-", "-", "-", info.get("test_faults") or "-",
-             "-", str(info.get("live_requests", "-")))] if info.get("role") != "unified" else []
+             "-", str(info.get("live_requests", "-")))] if info.get("role") != Role.UNIFIED else []
     for w in nodes(info):
         pool = w.get("pool_tokens")
         ok = "ok" if pool is not None and int(pool) >= window else "SHORT"
@@ -212,7 +214,7 @@ def run_doctor(a: argparse.Namespace) -> int:
         except (httpx.HTTPError, ValueError) as exc:
             print(f"kvseal doctor: cannot read {url}/info: {exc}", file=sys.stderr)
             return 2
-        if "role" not in info:  # a tenant's view (router/tenantview.py): no fleet to check
+        if "role" not in info:  # a tenant's view (tenancy/tenantview.py): no fleet to check
             print(f"kvseal doctor: {url}/info shows this key only its own requests: give an admin key (a "
                   f"`TENANT KEY admin` line of the router's --api-keys file) with --api-key", file=sys.stderr)
             return 2
@@ -222,7 +224,7 @@ def run_doctor(a: argparse.Namespace) -> int:
         shares = tenant_table(info)
         if shares is not None:
             print(shares)
-        pairs: list[tuple[str, str] | None] = list(serving_pairs(info)) or ([None] if info.get("role") == "unified"
+        pairs: list[tuple[str, str] | None] = list(serving_pairs(info)) or ([None] if info.get("role") == Role.UNIFIED
                                                                             else [])
         probes = [] if a.no_probe else [probe(client, url, pair) for pair in pairs]
     for p in probes:

@@ -87,6 +87,13 @@ class Overloaded(KvsealError):
     status, type, code = 503, "server_error", "overloaded"
 
 
+class StateUnavailable(Overloaded):
+    """The shared tenant state (--state redis://...) cannot be reached: limits fail closed, stored responses are not
+    served, and the client is told to retry (503 with Retry-After), never served unlimited or another's data."""
+
+    code = "state_unavailable"
+
+
 class NoWorkerAvailable(Overloaded):
     """No worker of a role is serving: none configured is up, or every one failed the fleet check (seal 7)."""
 
@@ -151,7 +158,7 @@ class InternalError(KvsealError):
 
 
 class RateLimited(KvsealError):
-    """A tenant over one of its limits (router/limits.py): 429 in OpenAI's shape, `type` "requests" or "tokens".
+    """A tenant over one of its limits (tenancy/limits.py): 429 in OpenAI's shape, `type` "requests" or "tokens".
 
     retry_after_s: when the same request would be admitted (None: never, it is larger than the limit itself)."""
 

@@ -28,13 +28,16 @@ import os
 import sys
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvseal.engine.messages import GenerateRequest
 from kvseal.errors import InvalidRequest
 from kvseal.hooks import NO_FAULTS, Hooks
-from kvseal.transfer.manifest import KVManifest, PagePayload, PoolPages
+from kvseal.wire.messages import GenerateRequest
+
+if TYPE_CHECKING:  # a router reads the faults too, and imports no torch; only prefill touches the pages
+    from kvseal.transfer.manifest import KVManifest, PagePayload, PoolPages
 
 log = logging.getLogger("kvseal.faults")
 FLAG = "--test-faults"
@@ -197,6 +200,8 @@ class InjectedFaults(Hooks):
 
 def _corrupted(p: PagePayload | PoolPages) -> PagePayload | PoolPages:
     """One page that differs in flight from what the manifest's checksums describe."""
+    from kvseal.transfer.manifest import PagePayload, PoolPages
+
     if isinstance(p, PoolPages):  # an in-place transport reads the first page from the pool page after it
         moved = (p.page_ids[0] + 1) % p.k.shape[1]
         return PoolPages(p.k, p.v, (moved, *p.page_ids[1:]))
@@ -206,6 +211,8 @@ def _corrupted(p: PagePayload | PoolPages) -> PagePayload | PoolPages:
 
 
 def _short(p: PagePayload | PoolPages) -> PagePayload | PoolPages:
+    from kvseal.transfer.manifest import PagePayload, PoolPages
+
     if isinstance(p, PoolPages):
         return PoolPages(p.k, p.v, p.page_ids[:-1])
     step = p.k.numel() // p.num_pages

@@ -16,8 +16,12 @@ normal answer, so a process started without faults runs exactly the product path
 
 from __future__ import annotations
 
-from kvseal.engine.messages import GenerateRequest
-from kvseal.transfer.manifest import KVManifest, PagePayload, PoolPages
+from typing import TYPE_CHECKING
+
+from kvseal.wire.messages import GenerateRequest
+
+if TYPE_CHECKING:  # the router holds hooks too, and imports no torch (the manifest's pages are tensors)
+    from kvseal.transfer.manifest import KVManifest, PagePayload, PoolPages
 
 
 class Hooks:

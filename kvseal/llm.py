@@ -11,7 +11,7 @@ name (dtype, kernels, arithmetic, max_model_len, page_size, pool_tokens, kv_dtyp
 max_num_batched_tokens, grammar_timeout_s, ...) and `seed`. A request the engine refuses raises its error
 (kvseal.errors.KvsealError), never a stand-in output.
 With n > 1 the first sample computes the prompt and the others start once it is in the prefix cache, so the
-samples share the prompt's pages; each sample has its own seed stream (engine/sampling.sample_seed).
+samples share the prompt's pages; each sample has its own seed stream (wire/seeds.sample_seed).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from kvseal.config_args import engine_config_from_options
-from kvseal.engine import messages as M
 from kvseal.engine.engine import Engine
-from kvseal.engine.sampling import sample_seed
-from kvseal.engine.structured import response_format
 from kvseal.errors import KvsealError
 from kvseal.model.checkpoint import Checkpoint
+from kvseal.wire import messages as M
+from kvseal.wire.messages import response_format
+from kvseal.wire.seeds import sample_seed
 
 Prompt = str | list[int]
 

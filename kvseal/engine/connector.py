@@ -15,14 +15,15 @@ The engine calls, in order of a request's life:
 
 from __future__ import annotations
 
-from kvseal.engine.messages import TokenLogprob
 from kvseal.engine.sequence import Sequence
+from kvseal.wire.messages import TokenLogprob
+from kvseal.wire.roles import Role
 
 
 class KVConnector:
     """A unified engine's: every request is prefilled and decoded here."""
 
-    role = "unified"
+    role = Role.UNIFIED
 
     def after_prefill(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> bool:
         return False

@@ -10,9 +10,9 @@ from collections import defaultdict
 
 from kvseal.engine.engine import Engine
 from kvseal.engine.fairness import held_pages
-from kvseal.engine.messages import GenerateRequest
 from kvseal.kv.allocator import pages_for
 from kvseal.lifecycle import State
+from kvseal.wire.messages import GenerateRequest
 
 
 def pages_for_prompt(e: Engine, num_tokens: int) -> int:

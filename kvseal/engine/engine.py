@@ -18,7 +18,6 @@ from kvseal.config import EngineConfig
 from kvseal.engine.connector import KVConnector
 from kvseal.engine.devices import DTYPES, resolve_device, resolve_kv_dtype
 from kvseal.engine.figures import engine_figures, engine_info
-from kvseal.engine.messages import GenerateDelta, GenerateRequest, TokenLogprob
 from kvseal.engine.output import final_delta, next_delta, take_token
 from kvseal.engine.params import check_request, check_window
 from kvseal.engine.pools import build_pools
@@ -40,7 +39,6 @@ from kvseal.kernels.build import resolve as resolve_kernels
 from kvseal.kernels.memory import keep_freed_pages
 from kvseal.kv.allocator import PageAllocator
 from kvseal.kv.prefix_cache import PrefixCache, namespace_id, namespace_root, page_keys
-from kvseal.kv.spec import KVSpec
 from kvseal.ledger.forensics import Forensics
 from kvseal.ledger.store import Ledger
 from kvseal.lifecycle import State
@@ -48,12 +46,15 @@ from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.detokenize import IncrementalDecoder
 from kvseal.model.llama import LlamaModel
 from kvseal.model.loader import load_checkpoint
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.messages import GenerateDelta, GenerateRequest, TokenLogprob
+from kvseal.wire.roles import Role
 
 log = logging.getLogger("kvseal.engine")
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, ckpt: Checkpoint | None = None, role: str = "unified") -> None:
+    def __init__(self, cfg: EngineConfig, ckpt: Checkpoint | None = None, role: Role = Role.UNIFIED) -> None:
         self.cfg, self.role = cfg, role
         keep_freed_pages()
         ckpt = ckpt if ckpt is not None else load_checkpoint(cfg.model.path)
@@ -89,10 +90,10 @@ class Engine:
             self.forensics = Forensics(self.ledger, self.allocator, cfg.cache.page_size, role)
         # decode workers keep no prefix cache: prefill computes every prompt (see docs/architecture.md); nor does an
         # engine whose sliding layers drop their pages: a cached prefix would need their last window too
-        self.prefix_cache = PrefixCache(self.allocator, enabled=cfg.cache.prefix_cache and role != "decode"
+        self.prefix_cache = PrefixCache(self.allocator, enabled=cfg.cache.prefix_cache and role != Role.DECODE
                                         and self.window is None)
         self.kv_layout = self.pool.layout_name
-        # what this engine's KV is: a reservation, a manifest and the fleet check carry it (kv/spec.py)
+        # what this engine's KV is: a reservation, a manifest and the fleet check carry it (wire/kvspec.py)
         self.kv_spec = KVSpec(model_fingerprint=self.fingerprint, page_size=self.pool.page_size,
                               kv_dtype=str(self.kv_dtype).removeprefix("torch."), kv_layout=self.kv_layout)
         # The served window: what the model supports, the operator allows, and the pool can hold.

@@ -1,5 +1,5 @@
 """What an engine is and its figures, for display (/info, kvseal doctor, tests); no check reads them. A
-disaggregated worker's identity is its WorkerCard (worker/card.py)."""
+disaggregated worker's identity is its WorkerCard (wire/card.py)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,16 @@ from kvseal.kernels.arithmetic import Arithmetic
 from kvseal.kv.allocator import PageAllocator
 from kvseal.kv.pool import KVPool
 from kvseal.kv.prefix_cache import PrefixCache
-from kvseal.kv.spec import KVSpec
 from kvseal.kv.window import WindowPages
 from kvseal.ledger.store import Ledger
 from kvseal.model.arch import ModelArch
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.roles import Role
 
 
 class EngineView(Protocol):  # what is read here of engine/engine.py's Engine (importing it: a circle)
     cfg: EngineConfig
-    role: str
+    role: Role
     ckpt_name: str
     kv_spec: KVSpec
     context_window: int

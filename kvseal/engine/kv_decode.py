@@ -17,7 +17,6 @@ from functools import partial
 from kvseal.engine.connector import KVConnector
 from kvseal.engine.decode_admission import pages_available
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, TokenLogprob
 from kvseal.engine.sequence import Sequence
 from kvseal.errors import KvsealError, Overloaded, TransferTimeout, TransferVerificationFailed
 from kvseal.kv.allocator import OutOfPages, pages_for
@@ -26,21 +25,21 @@ from kvseal.transfer.manifest import (
     KVManifest,
     PagePayload,
     PoolPages,
-    Reservation,
-    new_nonce,
-    new_reservation_id,
     page_checksums,
     page_nbytes,
     unpack_into,
 )
 from kvseal.transfer.verify import verify, verify_identity, verify_landed, verify_names
+from kvseal.wire.messages import GenerateRequest, TokenLogprob
+from kvseal.wire.reservation import Reservation, new_nonce, new_reservation_id
+from kvseal.wire.roles import Role
 
 
 class DecodeConnector(KVConnector):
-    role = "decode"
+    role = Role.DECODE
 
     def __init__(self, engine: Engine, verify_kv: Callable[[], bool] = lambda: True) -> None:
-        assert engine.role == "decode", engine.role
+        assert engine.role == Role.DECODE, engine.role
         self.engine = engine
         engine.kv = self
         # False only under the test-only incident fault (hooks.py): arrived KV is used unverified

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 from kvseal.engine.connector import KVConnector
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import TokenLogprob
 from kvseal.engine.sequence import Handoff, Sequence
 from kvseal.errors import KvsealError
 from kvseal.kv.allocator import pages_for
 from kvseal.lifecycle import State
-from kvseal.transfer.manifest import KVManifest, PagePayload, PoolPages, Reservation, build_manifest
+from kvseal.transfer.manifest import KVManifest, PagePayload, PoolPages, build_manifest
+from kvseal.wire.messages import TokenLogprob
+from kvseal.wire.reservation import Reservation
+from kvseal.wire.roles import Role
 
 
 class PrefillConnector(KVConnector):
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(self, engine: Engine) -> None:
-        assert engine.role == "prefill", engine.role
+        assert engine.role == Role.PREFILL, engine.role
         self.engine = engine
         engine.kv = self
         self._ready: list[Sequence] = []  # handed off since the last take_ready, in order

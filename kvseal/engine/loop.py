@@ -15,8 +15,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.errors import InternalError, KvsealError
+from kvseal.wire.messages import GenerateDelta, GenerateRequest
 
 log = logging.getLogger("kvseal.engine")
 

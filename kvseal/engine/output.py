@@ -8,9 +8,9 @@ from collections.abc import Collection
 
 import msgspec
 
-from kvseal.engine.messages import GenerateDelta, TokenLogprob
 from kvseal.engine.sequence import Sequence
 from kvseal.lifecycle import FinishReason, State
+from kvseal.wire.messages import GenerateDelta, TokenLogprob
 
 
 def take_token(seq: Sequence, tok: int, lp: TokenLogprob | None, eos_ids: Collection[int],

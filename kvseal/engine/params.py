@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import math
 
-from kvseal.engine.messages import SCHEMA_VERSION, GenerateRequest, SamplingParams
 from kvseal.errors import ContextLengthExceeded, InvalidRequest
+from kvseal.wire.messages import MAX_ADDED_STOPS, MAX_STOPS, SCHEMA_VERSION, GenerateRequest, SamplingParams
 
 MAX_LOGPROBS = 20
-MAX_STOPS = 16  # a client's stop sequences (`stop`, `stop_sequences`): the API refuses more by name
-# stops the router adds of its own, never the client's (a tool plan's end of a single call, router/tools/plan.py):
-# they do not count against the client's MAX_STOPS, and the client never sees them
-MAX_ADDED_STOPS = 4
 
 
 def check_sampling(p: SamplingParams) -> None:

@@ -13,6 +13,7 @@ from kvseal.kv.allocator import pages_for
 from kvseal.kv.pool import KVPool, pool_num_pages
 from kvseal.kv.window import WindowPages, split_pages, split_window
 from kvseal.model.arch import ModelArch
+from kvseal.wire.roles import Role
 
 
 def build_pools(arch: ModelArch, windows: tuple[int, ...], cfg: EngineConfig, role: str, kv_dtype: torch.dtype,
@@ -22,7 +23,7 @@ def build_pools(arch: ModelArch, windows: tuple[int, ...], cfg: EngineConfig, ro
     engine splits; count_scrubbed counts the window pool's scrubbed pages (it zeroes them itself)."""
     num_pages = pool_num_pages(arch, cfg.cache, kv_dtype, default_tokens=2 * model_window)
     ps, window = cfg.cache.page_size, None
-    if role == "unified" and cfg.cache.window_pages and split_window(windows):
+    if role == Role.UNIFIED and cfg.cache.window_pages and split_window(windows):
         sched, windowed = cfg.scheduler, sum(1 for w in windows if w)
         num_pages, wpages = split_pages(num_pages, arch.num_layers - windowed, windowed, split_window(windows), ps,
                                         sched.max_num_seqs, sched.max_num_batched_tokens,

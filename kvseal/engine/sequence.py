@@ -19,15 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvseal.engine.messages import GenerateRequest, SamplingParams, TokenLogprob
 from kvseal.kv.allocator import Owner
 from kvseal.lifecycle import Lifecycle
 from kvseal.model.detokenize import IncrementalDecoder
+from kvseal.wire.messages import GenerateRequest, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
-    from kvseal.transfer.manifest import Reservation
+    from kvseal.wire.reservation import Reservation
 
 
 @dataclass(frozen=True)

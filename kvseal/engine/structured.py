@@ -14,16 +14,15 @@ imported, and the pool started, on the first constrained request: a server that 
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvseal.config import GrammarConfig
 from kvseal.engine.grammar_compiler import CompileJob, CompilerInit
 from kvseal.engine.grammar_pool import GrammarPool
-from kvseal.engine.messages import ResponseFormat
 from kvseal.errors import InvalidRequest, KvsealError
 from kvseal.model.tokenizer import Tokenizer
+from kvseal.wire.messages import ResponseFormat
 
 if TYPE_CHECKING:
     import torch
@@ -165,9 +164,3 @@ class Grammars:
             sub = logits[rows].float()
             xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device))
             logits[rows] = sub.to(logits.dtype)
-
-
-def response_format(kind: str, schema: Any = None) -> ResponseFormat:
-    """The wire form of a response format: the schema as compact JSON text (its compile cache key too)."""
-    text = None if schema is None else json.dumps(schema, separators=(",", ":"))  # key order is the order enforced
-    return ResponseFormat(kind, text)

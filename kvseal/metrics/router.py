@@ -33,13 +33,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.metrics.tenants import LimitsCollector, TenantCounters
 from kvseal.model.tokenizer import Tokenizer
 from kvseal.router.backend import Backend
 from kvseal.router.membership import Standing
-from kvseal.router.requestlog import trace_of
-from kvseal.router.tenantview import require_admin
+from kvseal.tenancy.requestlog import trace_of
+from kvseal.tenancy.tenantview import require_admin
+from kvseal.wire.messages import GenerateDelta, GenerateRequest
 
 # vLLM's buckets
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -31,6 +31,7 @@ from kvseal.model.file_index import file_digests
 from kvseal.model.gguf_file import GGUFFile, TensorInfo
 from kvseal.model.gguf_tokenizer import gguf_field, tokenizer_from_gguf_reader
 from kvseal.model.layout import check_weights
+from kvseal.model.locate import checkpoint_name
 from kvseal.model.quant import QuantTensor
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -63,7 +64,6 @@ _GEMMA3_NAMES = {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernor
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's rope divisors: part of the arch, not a weight
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # File-name suffixes naming a quantization ("SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct").
-_QUANT_SUFFIX_RE = re.compile(r"[.\-_](?:[QqIi]+\d[\w]*|[Ff](?:16|32)|[Bb][Ff]16)$")
 
 
 def hf_tensor_name(gguf_name: str, num_layers: int, family: str = "llama") -> str:
@@ -250,12 +250,6 @@ def _float(f: GGUFFile, t: TensorInfo, arch: ModelArch) -> torch.Tensor:
     w = np.array(w, dtype=np.float32, copy=True).reshape(shape)  # owned: the map is read-only
     order = _row_order(t.name, arch, shape[0]) if len(shape) == 2 else None
     return torch.from_numpy(w if order is None else np.ascontiguousarray(w[order]))
-
-
-def checkpoint_name(path: Path, reader: GGUFFile) -> str:
-    """A display name: the file stem without its quantization suffix, else general.name."""
-    stem = _QUANT_SUFFIX_RE.sub("", path.stem)
-    return stem or str(gguf_field(reader, "general.name", path.name))
 
 
 def load_gguf(path: str, progress: bool = True) -> Checkpoint:

@@ -18,11 +18,13 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # a router reads a GGUF's tokenizer and imports no torch
+    import torch
 
 _MAGIC = b"GGUF"
 _SCALARS: dict[int, tuple[str, type]] = {  # GGUF value type -> (struct format, numpy dtype)
@@ -185,6 +187,8 @@ class GGUFFile:
 
     def tensor_bytes(self, t: TensorInfo) -> torch.Tensor:
         """(n_bytes,) uint8, a read-only view of the map (writing through it faults)."""
+        import torch
+
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             return torch.frombuffer(self._map, dtype=torch.uint8, count=t.n_bytes, offset=t.offset)

@@ -18,8 +18,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-from kvseal.engine.messages import GenerateRequest
 from kvseal.kv.prefix_cache import namespace_root, page_keys
+from kvseal.wire.messages import GenerateRequest
 
 
 class _Worker(Protocol):

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
-from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.model.tokenizer import Tokenizer
+from kvseal.wire.messages import GenerateDelta, GenerateRequest
 
 
 class Backend(Protocol):

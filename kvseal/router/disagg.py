@@ -31,7 +31,6 @@ import zmq.asyncio
 from kvseal.auth.curve import as_server
 from kvseal.auth.keys import MemberKeys
 from kvseal.auth.zap import ZapHandler
-from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.errors import (
     CapacityMismatch,
     KvsealError,
@@ -48,8 +47,10 @@ from kvseal.router.disagg_request import DEFAULT_TIMEOUTS, DisaggRequest, Handof
 from kvseal.router.pick import fair_candidates
 from kvseal.router.registry import FleetSpec, check_fleet, check_worker, served_window
 from kvseal.router.workers import WorkerClient
-from kvseal.worker import protocol as P
-from kvseal.worker.card import WorkerCard
+from kvseal.wire import protocol as P
+from kvseal.wire.card import WorkerCard
+from kvseal.wire.messages import GenerateDelta, GenerateRequest
+from kvseal.wire.roles import Role
 
 log = logging.getLogger("kvseal.router")
 
@@ -91,8 +92,8 @@ class DisaggBackend:
         self._ctx = zmq.asyncio.Context()
         if self.keys is not None:  # before any server socket binds: no handshake goes unchecked
             self._zap = ZapHandler(self._ctx, self.keys, "router's fleet port")
-        self.prefills = [self._client("prefill", ep) for ep in self.prefill_eps]
-        self.decodes = [self._client("decode", ep) for ep in self.decode_eps]
+        self.prefills = [self._client(Role.PREFILL, ep) for ep in self.prefill_eps]
+        self.decodes = [self._client(Role.DECODE, ep) for ep in self.decode_eps]
         workers = self.prefills + self.decodes
         for w in workers:
             w.open()
@@ -135,7 +136,7 @@ class DisaggBackend:
                  self.model_name, len(self.prefills), len(self.decodes), self.context_window,
                  self.fleet_endpoint or "(no fleet socket)")
 
-    def _client(self, role: str, endpoint: str, registered: bool = False, key: str | None = None) -> WorkerClient:
+    def _client(self, role: Role, endpoint: str, registered: bool = False, key: str | None = None) -> WorkerClient:
         assert self._ctx is not None
         return WorkerClient(role, endpoint, self._ctx, self._check, registered=registered, keys=self.keys,
                             server_key=key or self.server_keys.get(endpoint), requests=self.requests)
@@ -168,9 +169,9 @@ class DisaggBackend:
     async def _join(self, ident: bytes, req: P.JoinReq, key: str | None = None) -> None:
         assert self._fleet_sock is not None
         accepted, reason = False, ""
-        pool = self.prefills if req.role == "prefill" else self.decodes
+        pool = self.prefills if req.role == Role.PREFILL else self.decodes
         w = next((x for x in pool if x.endpoint == req.endpoint), None)
-        if req.role not in ("prefill", "decode") or not req.endpoint.startswith("tcp://"):
+        if req.role not in (Role.PREFILL, Role.DECODE) or not req.endpoint.startswith("tcp://"):
             reason = f"a join needs role prefill or decode and a tcp:// endpoint, got {req.role!r} {req.endpoint!r}"
         elif w is not None and w.server_key != key:
             reason = (f"{req.endpoint} belongs to a fleet member with another key; a worker joins only at its own "
@@ -189,9 +190,10 @@ class DisaggBackend:
             call_id=req.call_id, accepted=accepted, reason=reason, context_window=self.context_window))])
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks, self._tasks = self._tasks, []  # a router starts twice (the start-up probe, then uvicorn's loop):
+        for t in tasks:  # the second stop must not gather the first loop's tasks (it is closed by then)
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for w in self.prefills + self.decodes:
             await w.close()
         if self._fleet_sock is not None:
@@ -231,7 +233,7 @@ class DisaggBackend:
                 "live_requests": len(self.requests), "ended": dict(self.ended),
                 "routed_by_prefix": self.affinity.routed_by_prefix, "workers": workers}
 
-    def _pick(self, pool: list[WorkerClient], role: str, req: GenerateRequest) -> WorkerClient:
+    def _pick(self, pool: list[WorkerClient], role: Role, req: GenerateRequest) -> WorkerClient:
         """A serving worker for req: among those the fleet's fairness allows (router/pick.py), for prefill
         the one most likely to hold the prompt's prefix in its cache unless that one is much busier
         (router/affinity.py), else the least loaded (ties at random). None serving: 503 with each worker's state
@@ -243,13 +245,13 @@ class DisaggBackend:
             raise NoWorkerAvailable(f"no {role} worker is serving right now ({out or 'none configured'}); "
                                     f"retry later")
         live = fair_candidates(live, req.tenant)
-        if role == "prefill":
+        if role == Role.PREFILL:
             return self.affinity.pick(live, req, live[0].card.kv.page_size)
         least = min(w.inflight for w in live)
         return random.choice([w for w in live if w.inflight == least])
 
     # -- one request ----------------------------------------------------------------------------------
-    def _pinned(self, pool: list[WorkerClient], role: str, endpoint: str) -> WorkerClient:
+    def _pinned(self, pool: list[WorkerClient], role: Role, endpoint: str) -> WorkerClient:
         """The serving worker at `endpoint` (kvseal doctor's probe of one pair); 503 when it is not serving."""
         for w in pool:
             if w.endpoint == endpoint and w.alive:
@@ -261,10 +263,12 @@ class DisaggBackend:
         """One request, along the protocol (router/disagg_request.py). pin: (prefill endpoint, decode endpoint)
         to use instead of the pairing policy (kvseal doctor)."""
         def pick_prefill() -> WorkerClient:
-            return self._pinned(self.prefills, "prefill", pin[0]) if pin else self._pick(self.prefills, "prefill", req)
+            pool = self.prefills
+            return self._pinned(pool, Role.PREFILL, pin[0]) if pin else self._pick(pool, Role.PREFILL, req)
 
         def pick_decode() -> WorkerClient:
-            return self._pinned(self.decodes, "decode", pin[1]) if pin else self._pick(self.decodes, "decode", req)
+            pool = self.decodes
+            return self._pinned(pool, Role.DECODE, pin[1]) if pin else self._pick(pool, Role.DECODE, req)
 
         r = DisaggRequest(req, self.timeouts)
         self.requests[req.request_id] = r  # from here on, the workers' connections hand its frames to r

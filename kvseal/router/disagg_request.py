@@ -22,12 +22,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from kvseal.engine.messages import GenerateDelta, GenerateRequest
+from kvseal.config_fleet import HandoffTimeouts
 from kvseal.errors import (
     ErrorInfo,
     KvsealError,
@@ -40,18 +39,13 @@ from kvseal.errors import (
 )
 from kvseal.lifecycle import FinishReason, Lifecycle, State
 from kvseal.router.workers import WorkerClient
-from kvseal.worker import protocol as P
+from kvseal.wire import protocol as P
+from kvseal.wire.messages import GenerateDelta, GenerateRequest
+from kvseal.wire.reservation import Reservation
 
 log = logging.getLogger("kvseal.router")
 PICK_ATTEMPTS = 4  # a decode worker that started draining after it was picked: pick another
 _HANDOFF = (State.TRANSFERRING, State.VERIFIED, State.DECODING)  # the router's states after PREFILLING
-
-
-@dataclass(frozen=True)
-class HandoffTimeouts:
-    handoff_s: float = 600.0  # a started handoff's first delta is due within this
-    stall_s: float = 120.0  # later deltas within this of each other
-    renew_every_s: float = 10.0  # at most this, and at most a quarter of decode's reservation timeout
 
 
 DEFAULT_TIMEOUTS = HandoffTimeouts()
@@ -67,7 +61,7 @@ class DisaggRequest:
         self.prefill: WorkerClient | None = None
         self.decode: WorkerClient | None = None
         self.where: WorkerClient | None = None  # the worker the request is with now (named in its error)
-        self.reservation: Any = None  # decode's P.Reservation once granted
+        self.reservation: Reservation | None = None  # decode's, once granted
         # what decode's connection hands in (take_delta): its deltas, numbered 0, 1, 2, ..., then its error
         self._deltas: asyncio.Queue[GenerateDelta | ErrorInfo] = asyncio.Queue()
         self._next_seq = 0  # the number decode's next delta must carry
@@ -111,11 +105,12 @@ class DisaggRequest:
 
     # -- prefill ---------------------------------------------------------------------------------------
     def start_prefill(self) -> None:
-        assert self.prefill is not None and self.decode is not None
+        assert self.prefill is not None and self.decode is not None and self.reservation is not None
         self._streaming = True
         self.life.advance(State.PREFILLING)
+        reservation = self.reservation
         self._prefill_task = asyncio.ensure_future(self.prefill.call(
-            lambda cid: P.PrefillReq(call_id=cid, request=self.req, reservation=self.reservation), None))
+            lambda cid: P.PrefillReq(call_id=cid, request=self.req, reservation=reservation), None))
 
     # -- frames from the two workers (their connections' readers, router/workers.py) ----------------------
     def handoff_started(self, w: WorkerClient) -> None:

@@ -3,7 +3,7 @@
 Sample 0 starts at once; the others start when its first delta arrives: its prompt's full pages are in the
 prefix cache by then (the engine caches them in the step that completes the prompt), so the other samples read
 them instead of computing the prompt again (seal 9 holds: same tenant, same cache_salt). Each sample is its own
-request to the backend, with its own id and seed stream (engine/sampling.sample_seed).
+request to the backend, with its own id and seed stream (wire/seeds.sample_seed).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable
 
-from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import InternalError, KvsealError
+from kvseal.wire.messages import GenerateDelta
 
 log = logging.getLogger("kvseal.router")
 Deltas = AsyncGenerator[GenerateDelta, None]

@@ -14,11 +14,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from kvseal.engine.messages import GenerateRequest, SamplingParams
+from kvseal.api.text import encode
 from kvseal.errors import InvalidRequest, KvsealError
 from kvseal.router.backend import Backend
-from kvseal.router.tenantview import require_admin
-from kvseal.router.text import encode
+from kvseal.tenancy.tenantview import require_admin
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 
 PROBE_PROMPT = "The capital of France is"
 PROBE_TOKENS = 8

@@ -6,7 +6,7 @@ size, KV dtype, KV layout, kernels, arithmetic or KV transport (`Agreement`). Af
 is a `FleetSpec`, and a worker that connects, reconnects or registers must match it in full (`check_worker`), its
 tokenizer and its test faults included, before it gets a request. Each message names both numbers and both fixes.
 
-Every field checked here is read from the worker's typed card (worker/card.py): a worker whose card lacks one never
+Every field checked here is read from the worker's typed card (wire/card.py): a worker whose card lacks one never
 gets this far (its answer does not decode), so no check runs on a default.
 """
 
@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvseal.errors import CapacityMismatch
-from kvseal.kv.spec import KVSpec
-from kvseal.worker.card import WorkerCard
+from kvseal.wire.card import WorkerCard
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.roles import Role
 
 
 @dataclass(frozen=True)
@@ -109,13 +110,13 @@ class FleetSpec:
         return FleetSpec(window, Agreement.of(cards[0][1]), tokenizer_digest, test_faults)
 
 
-def check_worker(name: str, role: str, card: WorkerCard, spec: FleetSpec, capacity: bool = True) -> None:
+def check_worker(name: str, role: Role, card: WorkerCard, spec: FleetSpec, capacity: bool = True) -> None:
     """Raise CapacityMismatch unless this worker may serve in the fleet `spec` describes, in the role `role`.
     capacity=False (the test-only incident fault) skips the window checks only."""
     if card.role != role:
         raise CapacityMismatch(f"{name} is a {card.role!r} worker, not a {role!r} one. Fix: give its "
                                f"endpoint as --{card.role} (or start it as `kvseal {role}`).")
-    if (card.reservation_timeout_s is None) != (role != "decode"):
+    if (card.reservation_timeout_s is None) != (role != Role.DECODE):
         raise CapacityMismatch(f"{name}: a {role} worker that reports reservation_timeout_s="
                                f"{card.reservation_timeout_s!r}; only a decode worker holds reservations, and every "
                                f"one does. Fix: run one kvseal version on the router and every worker.")

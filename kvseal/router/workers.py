@@ -28,8 +28,9 @@ from kvseal.auth.curve import as_client
 from kvseal.auth.keys import MemberKeys
 from kvseal.errors import CapacityMismatch, ErrorInfo, WorkerFailed
 from kvseal.router.membership import Membership, Standing
-from kvseal.worker import protocol as P
-from kvseal.worker.card import WorkerCard
+from kvseal.wire import protocol as P
+from kvseal.wire.card import WorkerCard
+from kvseal.wire.roles import Role
 
 log = logging.getLogger("kvseal.router")
 
@@ -49,7 +50,7 @@ class Routed(Protocol):
 
 
 class WorkerClient:
-    def __init__(self, role: str, endpoint: str, ctx: zmq.asyncio.Context, check: Check,
+    def __init__(self, role: Role, endpoint: str, ctx: zmq.asyncio.Context, check: Check,
                  heartbeat_s: float = 1.0, dead_after_s: float = 60.0, registered: bool = False,
                  keys: MemberKeys | None = None, server_key: str | None = None,
                  requests: Mapping[str, Routed] | None = None) -> None:

@@ -18,7 +18,6 @@ bound by the reservation id and nonce, which only the decode worker and the rout
 from __future__ import annotations
 
 import hashlib
-import secrets
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,8 @@ from typing import Protocol
 import msgspec
 import torch
 
-from kvseal.kv.spec import KVSpec
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.reservation import SCHEMA_VERSION, Reservation
 
 try:
     import xxhash
@@ -36,7 +36,6 @@ try:
 except ImportError:  # pragma: no cover - xxhash is a dependency; blake2b keeps a bare install working
     _HAVE_XXHASH = False
 
-SCHEMA_VERSION = 1
 
 
 class _Hash(Protocol):  # the part of hashlib / xxhash hash objects used here
@@ -52,21 +51,6 @@ def _hasher() -> tuple[str, Callable[[], _Hash]]:
 
 # Both sides must use the same algorithm; its name travels in the manifest and verify() compares it.
 CHECKSUM_ALGO, _new_hash = _hasher()
-
-
-class Reservation(msgspec.Struct, frozen=True, kw_only=True):
-    """Pages a decode worker set aside for one request. Decode keeps its own copy and verifies against it."""
-
-    request_id: str
-    reservation_id: str
-    nonce: str  # 128-bit random hex; binds the arrival to this reservation (see new_nonce)
-    num_tokens: int  # prompt tokens whose KV will arrive
-    page_ids: list[int]  # decode's page ids, in token order; len == ceil(num_tokens / kv.page_size)
-    kv: KVSpec  # decode's own KV spec: the manifest's must equal it (verify_identity)
-    kv_endpoint: str  # where to send the pages, e.g. "tcp://127.0.0.1:5555"
-    kv_key: str = ""  # the decode worker's fleet public key (Z85): prefill pins it; "" in a fleet without keys
-    kv_session: str = ""  # decode's KV session (hex): the channel's MAC framing (transfer/kvmac.py); "": CURVE
-    v: int = SCHEMA_VERSION
 
 
 class KVManifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -163,14 +147,6 @@ def _bytes_tensor(buf: memoryview | bytes) -> torch.Tensor:
 
 
 # -- naming and sizes ---------------------------------------------------------------------------------
-
-
-def new_nonce() -> str:
-    return secrets.token_hex(16)
-
-
-def new_reservation_id() -> str:
-    return secrets.token_hex(8)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

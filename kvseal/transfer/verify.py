@@ -14,10 +14,10 @@ from kvseal.transfer.manifest import (
     KVManifest,
     PagePayload,
     PoolPages,
-    Reservation,
     first_token_checksum,
     page_checksums,
 )
+from kvseal.wire.reservation import Reservation
 
 
 def _fail(manifest: KVManifest, field: str, expected: object, received: object) -> TransferVerificationFailed:

@@ -28,12 +28,13 @@ from kvseal.auth.keys import MemberKeys
 from kvseal.engine import decode_admission as admission
 from kvseal.engine.engine import Engine
 from kvseal.engine.kv_decode import DecodeConnector
-from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.errors import InternalError, KvsealError, Overloaded, TransferVerificationFailed, WorkerFailed
 from kvseal.hooks import Hooks
 from kvseal.transfer.base import Arrival, create_transport
 from kvseal.transfer.manifest import KVManifest, page_nbytes
-from kvseal.worker import protocol as P
+from kvseal.wire import protocol as P
+from kvseal.wire.messages import GenerateDelta, GenerateRequest
+from kvseal.wire.roles import Role
 from kvseal.worker.server import WorkerServer
 
 log = logging.getLogger("kvseal.decode")
@@ -55,7 +56,7 @@ class _Route:
 
 
 class DecodeWorker(WorkerServer):
-    role = "decode"
+    role = Role.DECODE
 
     def __init__(self, engine: Engine, bind: str, kv_bind: str, hooks: Hooks,
                  reservation_timeout_s: float = 120.0, drain_timeout_s: float = 600.0,

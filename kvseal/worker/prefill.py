@@ -15,14 +15,15 @@ from typing import Any
 from kvseal.auth.keys import MemberKeys
 from kvseal.engine.engine import Engine
 from kvseal.engine.kv_prefill import PrefillConnector
-from kvseal.engine.messages import GenerateDelta
 from kvseal.engine.sequence import Sequence
 from kvseal.errors import InvalidRequest, KvsealError, WorkerFailed
 from kvseal.hooks import Hooks
 from kvseal.kv.allocator import pages_for
 from kvseal.transfer.base import TransferHandle, TransferState, create_transport
-from kvseal.transfer.manifest import Reservation
-from kvseal.worker import protocol as P
+from kvseal.wire import protocol as P
+from kvseal.wire.messages import GenerateDelta
+from kvseal.wire.reservation import Reservation
+from kvseal.wire.roles import Role
 from kvseal.worker.server import WorkerServer
 
 log = logging.getLogger("kvseal.prefill")
@@ -40,7 +41,7 @@ class _Job:
 
 
 class PrefillWorker(WorkerServer):
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(self, engine: Engine, bind: str, hooks: Hooks, transfer_timeout_s: float = 60.0,
                  drain_timeout_s: float = 600.0, kv_transport: str = "zmq", keys: MemberKeys | None = None) -> None:

@@ -24,14 +24,15 @@ from kvseal.auth.curve import as_server
 from kvseal.auth.keys import MemberKeys
 from kvseal.auth.zap import ZapHandler
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import InternalError, InvalidRequest, KvsealError, WorkerDraining
 from kvseal.hooks import Hooks
 from kvseal.identity import new_instance_id, tokenizer_digest
 from kvseal.metrics.engine import EngineCollector, WorkerMetrics
-from kvseal.worker import protocol as P
-from kvseal.worker.card import WorkerCard
-from kvseal.worker.join import EXIT_REFUSED, Registration
+from kvseal.wire import protocol as P
+from kvseal.wire.card import WorkerCard
+from kvseal.wire.messages import GenerateDelta
+from kvseal.wire.roles import Role
+from kvseal.worker.join import EXIT_REFUSED, Registrations
 from kvseal.worker.outbox import Outbox
 
 log = logging.getLogger("kvseal.worker")
@@ -40,7 +41,7 @@ log = logging.getLogger("kvseal.worker")
 
 
 class WorkerServer:
-    role = "worker"
+    role: Role  # set by each role's class
     kv_transport: str  # set by each role's __init__ (--kv-transport)
 
     def __init__(self, engine: Engine, bind: str, hooks: Hooks, drain_timeout_s: float = 600.0,
@@ -69,7 +70,7 @@ class WorkerServer:
         self.drain_timeout_s = drain_timeout_s
         self.draining_since: float | None = None
         self._drain_asked: str | None = None
-        self.join: Registration | None = None  # set when started with --router
+        self.join: Registrations | None = None  # set when started with --router
         # set by `kvseal serve` (launch.Fleet) for the workers it starts: never outlive that process, even one
         # that died while this worker was still loading its model. A worker started on its own has no parent.
         launcher = os.environ.get(P.LAUNCHER_PID_ENV)
@@ -87,7 +88,7 @@ class WorkerServer:
         self.outbox.send(ident, P.encode(msg))
 
     def card(self) -> WorkerCard:
-        """What this worker is (worker/card.py): the router's fleet check compares it with the fleet's."""
+        """What this worker is (wire/card.py): the router's fleet check compares it with the fleet's."""
         e = self.engine
         return WorkerCard(
             role=self.role, model=e.ckpt_name, instance=self.instance, kv=e.kv_spec, kernels=e.kernels,
@@ -154,6 +155,8 @@ class WorkerServer:
                 log.warning("parent process exited; stopping")  # never outlive `kvseal serve`
                 break
             self.hooks.refresh()
+            if self.join is not None:
+                self.join.tick(self.poller)  # a router that came up since joins this worker too
             if self._drain_asked is not None:
                 self.drain(self._drain_asked)
             busy = self.engine.has_work() or self.busy() or self.outbox.queued > 0

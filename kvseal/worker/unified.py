@@ -8,8 +8,8 @@ from typing import Any
 
 from kvseal.engine.engine import Engine
 from kvseal.engine.loop import EngineLoop
-from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.errors import RequestAborted
+from kvseal.wire.messages import GenerateDelta, GenerateRequest
 
 
 class UnifiedBackend:

@@ -21,7 +21,7 @@ import openai
 import pytest
 from sentence_transformers import SentenceTransformer
 
-from kvseal.embed.checkpoint import load_tokenizer
+from kvseal.embed.folder import load_tokenizer
 from tests.helpers.procs import Server
 from tests.helpers.qwen_server import KEYS
 from tests.helpers.real_models import real_model

@@ -17,9 +17,9 @@ import torch
 from kvseal import llm as api
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.kernels import ops
 from kvseal.model.checkpoint import Checkpoint
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.common import ManagedServer, free_port
 from benchmarks.systems import Settings, launch
-from kvseal.model.loader import default_model_path
+from kvseal.model.locate import default_model_path
 from tests.helpers.bundled import transformers_gguf_model, transformers_gguf_tokenizer
 
 pytestmark = pytest.mark.e2e

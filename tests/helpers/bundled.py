@@ -19,7 +19,7 @@ from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.gguf import load_gguf
 from kvseal.model.gguf_file import GGUFFile
 from kvseal.model.gguf_tokenizer import tokenizer_from_gguf_reader
-from kvseal.model.loader import DEFAULT_MODEL_NAME, default_model_path
+from kvseal.model.locate import DEFAULT_MODEL_NAME, default_model_path
 from kvseal.model.tokenizer import Tokenizer
 
 

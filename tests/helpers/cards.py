@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from kvseal.kv.spec import KVSpec
-from kvseal.worker.card import WorkerCard
+from kvseal.wire.card import WorkerCard
+from kvseal.wire.kvspec import KVSpec
 
 KV = KVSpec(model_fingerprint="f", page_size=16, kv_dtype="float32", kv_layout="kt:L30xPx3x64xS")
 CARD = WorkerCard(role="prefill", model="m", instance="i-1", kv=KV, kernels="native", arithmetic="fast/int8",

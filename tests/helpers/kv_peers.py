@@ -18,11 +18,12 @@ import torch
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
 from kvseal.hooks import NO_FAULTS
-from kvseal.kv.spec import KVSpec
 from kvseal.transfer.base import TransferHandle, TransferStatus, Transport, create_transport
-from kvseal.transfer.manifest import KVManifest, PoolPages, Reservation, build_manifest
+from kvseal.transfer.manifest import KVManifest, PoolPages, build_manifest
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.messages import GenerateDelta, GenerateRequest, SamplingParams
+from kvseal.wire.reservation import Reservation
 from kvseal.worker.decode import DecodeWorker
 from tests.unit.conftest import tiny_checkpoint
 

@@ -13,7 +13,7 @@ from typing import IO
 
 import httpx
 
-from kvseal.worker.protocol import LAUNCHER_PID_ENV
+from kvseal.wire.protocol import LAUNCHER_PID_ENV
 
 # How long a started process may take to be ready. scripts/prove_seals.py shortens it: a mutation that keeps a
 # fleet from ever forming (a worker that stops speaking CURVE) is caught at this timeout, not 3 minutes later.
@@ -110,7 +110,7 @@ class Worker(Proc):
         import zmq
 
         from kvseal.auth.curve import as_client
-        from kvseal.worker import protocol as P
+        from kvseal.wire import protocol as P
 
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -126,7 +126,7 @@ class Worker(Proc):
             ctx.term()
 
     def info(self) -> dict:
-        from kvseal.worker import protocol as P
+        from kvseal.wire import protocol as P
 
         resp = self.call(lambda cid: P.InfoReq(call_id=cid))
         assert isinstance(resp, P.InfoResp)

@@ -12,8 +12,8 @@ from typing import Any
 import zmq
 
 from kvseal.errors import WorkerDraining
-from kvseal.worker import protocol as P
-from kvseal.worker.card import WorkerCard
+from kvseal.wire import protocol as P
+from kvseal.wire.card import WorkerCard
 
 
 class RogueDecode:

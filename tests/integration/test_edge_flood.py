@@ -3,7 +3,7 @@ limits) sends 8 concurrent streams of 4 MB bodies to /tokenize, count_tokens, ch
 chat p99 stays within max(2 x alone, alone + 1 s), B gets no error and the server stays healthy
 (benchmarks/edge_flood.py; its full 30 s run is in docs/benchmarks.md).
 
-Before the text pool (router/textpool.py) the same flood held B's chats for 12.5 s (p99; 294 ms alone)."""
+Before the text pool (tenancy/textpool.py) the same flood held B's chats for 12.5 s (p99; 294 ms alone)."""
 
 from __future__ import annotations
 

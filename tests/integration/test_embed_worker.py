@@ -23,11 +23,12 @@ from zmq.utils.monitor import recv_monitor_message
 from kvseal.auth.curve import as_client
 from kvseal.auth.keys import MemberKeys, fresh_member
 from kvseal.embed import wire
-from kvseal.embed.checkpoint import EmbedFolder, EmbedModel
+from kvseal.embed.checkpoint import EmbedModel
 from kvseal.embed.client import EmbedClient
-from kvseal.embed.worker import EmbedSpec
+from kvseal.embed.folder import EmbedFolder
+from kvseal.embed.spec import EmbedSpec
 from kvseal.errors import NoWorkerAvailable, WorkerFailed
-from kvseal.worker.protocol import LAUNCHER_PID_ENV
+from kvseal.wire.protocol import LAUNCHER_PID_ENV
 from tests.helpers.procs import free_port
 from tests.helpers.real_models import real_model
 

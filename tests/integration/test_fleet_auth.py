@@ -21,9 +21,9 @@ from kvseal.auth.curve import as_client
 from kvseal.auth.keys import MemberKeys, fresh_member, load_member, public_key, write_key_set
 from kvseal.auth.zap import USER
 from kvseal.errors import WorkerFailed
-from kvseal.model.loader import load_tokenizer
+from kvseal.model.locate import load_tokenizer
 from kvseal.router.disagg import DisaggBackend
-from kvseal.worker import protocol as P
+from kvseal.wire import protocol as P
 from tests.helpers.fleet import LoopbackFleet, module_fleet
 from tests.helpers.procs import Worker, free_port, wait_until
 from tests.helpers.rogue import RogueDecode

@@ -21,18 +21,16 @@ from zmq.utils.monitor import recv_monitor_message
 from kvseal.auth.curve import as_client, as_plain_server, as_server
 from kvseal.auth.keys import MemberKeys, fresh_member, load_member, public_key, write_key_set
 from kvseal.auth.zap import USER, ZapHandler
-from kvseal.kv.spec import KVSpec
 from kvseal.transfer.base import TransferHandle, TransferState, TransferStatus
 from kvseal.transfer.kvmac import KvMac, new_session
 from kvseal.transfer.manifest import (
-    Reservation,
     build_manifest,
-    new_nonce,
-    new_reservation_id,
     pack_pages,
 )
 from kvseal.transfer.zmq import ZmqTransport
 from kvseal.transfer.zmq_wire import TransferHeader, TransferReply
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.reservation import Reservation, new_nonce, new_reservation_id
 from kvseal.worker.join import Registration
 
 pytestmark = [pytest.mark.integration, pytest.mark.serial]  # serial: 1.5 s transfer timeouts (scripts/test.sh)

@@ -19,12 +19,13 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.errors import ErrorInfo
-from kvseal.kv.spec import KVSpec
-from kvseal.transfer.manifest import KVManifest, PagePayload, Reservation, build_manifest
+from kvseal.transfer.manifest import KVManifest, PagePayload, build_manifest
 from kvseal.transfer.zmq_wire import TransferHeader, TransferReply
-from kvseal.worker import protocol as P
+from kvseal.wire import protocol as P
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.messages import GenerateRequest, SamplingParams
+from kvseal.wire.reservation import Reservation
 from tests.helpers.cards import CARD
 from tests.helpers.fleet import LoopbackFleet, module_fleet
 from tests.helpers.procs import wait_until
@@ -178,7 +179,7 @@ def control_messages(kv: str) -> st.SearchStrategy[P.Message]:
         st.builds(P.ReleaseReq, request_id=rids, error=errors, rejected=st.booleans()),
         st.builds(P.RenewReq, request_id=rids),
         st.builds(P.AbortReq, request_id=rids, error=errors),
-        st.builds(P.DeltaMsg, delta=st.builds(lambda r: __import__("kvseal.engine.messages").engine.messages
+        st.builds(P.DeltaMsg, delta=st.builds(lambda r: __import__("kvseal.wire.messages").engine.messages
                                               .GenerateDelta(r, [], ""), rids), seq=ints),
         st.builds(P.InfoResp, call_id=cid, card=st.just(CARD), draining=st.booleans(), figures=st.just({})),
         st.builds(P.JoinReq, call_id=cid, role=st.text(max_size=8), endpoint=st.text(max_size=8)),

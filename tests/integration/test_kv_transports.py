@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from kvseal.errors import KvsealError, TransferTimeout, TransferVerificationFailed, WorkerFailed
-from kvseal.kv.spec import KVSpec
 from kvseal.transfer.base import (
     Arrival,
     TransferHandle,
@@ -35,15 +34,14 @@ from kvseal.transfer.manifest import (
     KVManifest,
     PagePayload,
     PoolPages,
-    Reservation,
     build_manifest,
     dtype_name,
-    new_nonce,
-    new_reservation_id,
     page_nbytes,
     unpack_into,
 )
 from kvseal.transfer.verify import verify, verify_identity, verify_landed
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.reservation import Reservation, new_nonce, new_reservation_id
 from tests.helpers.transports import KV_TRANSPORTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.serial]  # serial: measures time (scripts/test.sh)

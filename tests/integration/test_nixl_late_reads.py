@@ -23,13 +23,14 @@ import torch
 import zmq
 
 from kvseal.engine.decode_admission import pages_available
-from kvseal.engine.messages import GenerateDelta
 from kvseal.errors import KvsealError, TransferTimeout
-from kvseal.kv.spec import KVSpec
 from kvseal.lifecycle import State
 from kvseal.transfer.base import TransferHandle, TransferState, create_transport
-from kvseal.transfer.manifest import KVManifest, PoolPages, Reservation, new_nonce, new_reservation_id
+from kvseal.transfer.manifest import KVManifest, PoolPages
 from kvseal.transfer.zmq_wire import TransferHeader, TransferReply
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.messages import GenerateDelta
+from kvseal.wire.reservation import Reservation, new_nonce, new_reservation_id
 from tests.helpers.kv_peers import PoolSpec, PrefillProcess, decode_worker, pump, reserve, wait_status
 
 pytestmark = pytest.mark.integration

@@ -23,12 +23,13 @@ import pytest
 import torch
 import zmq
 
-from kvseal.kv.spec import KVSpec
 from kvseal.lifecycle import State
 from kvseal.transfer.base import TransferState, create_transport
-from kvseal.transfer.manifest import PoolPages, Reservation, new_nonce, new_reservation_id
+from kvseal.transfer.manifest import PoolPages
 from kvseal.transfer.nixl import NixlOffer, nixl_api, nixl_errors
 from kvseal.transfer.zmq_wire import TransferHeader, TransferReply
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.reservation import Reservation, new_nonce, new_reservation_id
 from kvseal.worker.decode import DecodeWorker
 from tests.helpers.kv_peers import PoolSpec, decode_worker, pump, reserve, wait_status
 from tests.helpers.transports import KV_TRANSPORTS

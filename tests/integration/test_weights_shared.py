@@ -20,7 +20,7 @@ CHILD = """
 import json, sys, torch
 from kvseal.model.gguf import load_gguf
 from kvseal.model.llama import LlamaModel
-from kvseal.model.loader import default_model_path
+from kvseal.model.locate import default_model_path
 from tests.helpers.memory import weight_tensors
 
 m = LlamaModel(load_gguf(default_model_path(), progress=False), torch.float32, torch.device("cpu"), native=True,

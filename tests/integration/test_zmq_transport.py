@@ -15,16 +15,12 @@ import torch
 import zmq
 
 from kvseal.errors import TransferVerificationFailed
-from kvseal.kv.spec import KVSpec
 from kvseal.transfer.base import TransferHandle, TransferState, TransferStatus
 from kvseal.transfer.manifest import (
     KVManifest,
     PagePayload,
-    Reservation,
     build_manifest,
     dtype_name,
-    new_nonce,
-    new_reservation_id,
     pack_pages,
     page_nbytes,
     unpack_into,
@@ -32,6 +28,8 @@ from kvseal.transfer.manifest import (
 from kvseal.transfer.verify import verify
 from kvseal.transfer.zmq import ZmqTransport
 from kvseal.transfer.zmq_wire import TransferReply
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.reservation import Reservation, new_nonce, new_reservation_id
 
 pytestmark = pytest.mark.integration
 

@@ -9,9 +9,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from kvseal.router.anthropic_errors import from_openai
-from kvseal.router.anthropic_protocol import MessagesRequest
-from kvseal.router.responses_protocol import ResponsesRequest
+from kvseal.api.anthropic_errors import from_openai
+from kvseal.api.anthropic_protocol import MessagesRequest
+from kvseal.api.responses_protocol import ResponsesRequest
 
 
 def test_anthropic_blocks_become_template_messages() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.embeddings import sentences, table
-from kvseal.embed.checkpoint import load_tokenizer
+from kvseal.embed.folder import load_tokenizer
 from tests.helpers.real_models import real_model
 
 

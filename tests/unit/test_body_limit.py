@@ -1,4 +1,4 @@
-"""BodyLimit (router/bodylimit.py) with a fake ASGI connection: a body over the limit gets the 413, and the
+"""BodyLimit (tenancy/bodylimit.py) with a fake ASGI connection: a body over the limit gets the 413, and the
 middleware reads exactly what the client sends, never waiting for a part that will not come.
 
 Regression: a chunked body whose last part crossed the limit made the middleware wait for more body until
@@ -14,7 +14,7 @@ import json
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from kvseal.router.bodylimit import BodyLimit
+from kvseal.tenancy.bodylimit import BodyLimit
 
 LIMIT = 1000
 

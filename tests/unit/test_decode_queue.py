@@ -11,10 +11,10 @@ import pytest
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.errors import ErrorInfo
 from kvseal.hooks import NO_FAULTS
-from kvseal.worker import protocol as P
+from kvseal.wire import protocol as P
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 from kvseal.worker.decode import DecodeWorker
 
 from .conftest import tiny_checkpoint

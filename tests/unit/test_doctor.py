@@ -83,7 +83,7 @@ def test_a_unified_server_is_one_node_with_no_pairs() -> None:
 
 
 def test_a_tenant_key_is_told_to_use_an_admin_key(capsys: pytest.CaptureFixture[str]) -> None:
-    """With --api-keys, a tenant's /info holds no fleet (router/tenantview.py): the doctor says what key it needs."""
+    """With --api-keys, a tenant's /info holds no fleet (tenancy/tenantview.py): the doctor says what key it needs."""
     import argparse
     from unittest import mock
 

@@ -1,6 +1,7 @@
-"""What kvseal reads from a sentence-transformers folder (kvseal/embed/checkpoint.py): the pooling and normalization
-its modules name, each pooling mode over packed inputs equal to the padded computation sentence-transformers does,
-and folders with modules kvseal does not have refused with what they hold; and /v1/embeddings' input shapes."""
+"""What kvseal reads from a sentence-transformers folder (kvseal/embed/folder.py, embed/checkpoint.py): the
+pooling and normalization its modules name, each pooling mode over packed inputs equal to the padded computation
+sentence-transformers does, and folders with modules kvseal does not have refused with what they hold; and
+/v1/embeddings' input shapes."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kvseal.embed.checkpoint import Pipeline
-from kvseal.router.embeddings_protocol import EmbeddingRequest
+from kvseal.api.embeddings_protocol import EmbeddingRequest
+from kvseal.embed.checkpoint import pool
+from kvseal.embed.folder import Pipeline
 
 T, N, O = "sentence_transformers.models.Transformer", "sentence_transformers.models.Normalize", "1_Pooling"
 
@@ -42,14 +44,14 @@ def test_each_pooling_over_packed_inputs_equals_the_padded_computation(tmp_path:
     for x in torch.split(hidden, lengths.tolist()):
         want.append({"cls": x[0], "mean": x.mean(0), "max": x.max(0).values, "last": x[-1],
                      "mean_sqrt_len": x.sum(0) / len(x) ** 0.5}[mode])
-    assert torch.allclose(p.pool(hidden, lengths), torch.stack(want), atol=1e-6)
+    assert torch.allclose(pool(p, hidden, lengths), torch.stack(want), atol=1e-6)
 
 
 def test_normalize_and_the_longest_input_come_from_the_folder(tmp_path: Path) -> None:
     p = Pipeline.read(folder(tmp_path, [{"type": T}, POOL, {"type": N}], {"pooling_mode_mean_tokens": True},
                              max_seq=1024), max_position=512)
     assert p.normalize and p.max_tokens == 512  # capped by the model's positions
-    out = p.pool(torch.randn(6, 4) * 7, torch.tensor([2, 4]))
+    out = pool(p, torch.randn(6, 4) * 7, torch.tensor([2, 4]))
     assert torch.allclose(out.norm(dim=1), torch.ones(2))
 
 

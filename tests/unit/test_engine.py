@@ -7,9 +7,9 @@ import time
 import torch
 
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
 from kvseal.errors import RequestAborted
 from kvseal.model.checkpoint import Checkpoint
+from kvseal.wire.messages import GenerateDelta, GenerateRequest, SamplingParams
 
 from .conftest import make_engine
 

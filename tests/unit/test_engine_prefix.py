@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.kv.prefix_cache import namespace_root
 from kvseal.model.checkpoint import Checkpoint
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 from tests.helpers.halves import decode_engine, prefill_engine
 
 from .conftest import make_engine

@@ -11,10 +11,10 @@ from typing import Any
 
 import zmq.asyncio
 
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.router.affinity import PrefixAffinity
 from kvseal.router.pick import fair_candidates
 from kvseal.router.workers import WorkerClient
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 
 
 @dataclass

@@ -11,12 +11,12 @@ import pytest
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
 from kvseal.errors import ErrorInfo
 from kvseal.hooks import NO_FAULTS
 from kvseal.lifecycle import State
 from kvseal.model.checkpoint import Checkpoint
-from kvseal.worker import protocol as P
+from kvseal.wire import protocol as P
+from kvseal.wire.messages import GenerateDelta, GenerateRequest, SamplingParams
 from kvseal.worker.decode import DecodeWorker
 from tests.helpers.halves import prefill_engine
 

@@ -13,8 +13,8 @@ import pytest
 from kvseal.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.fairness import FairShare
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.model.checkpoint import Checkpoint
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

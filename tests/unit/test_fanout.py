@@ -1,4 +1,4 @@
-"""n samples of one request (router/fanout.py, router/respond.py) over a scripted backend: sample 0 first and
+"""n samples of one request (router/fanout.py, api/respond.py) over a scripted backend: sample 0 first and
 the others after its first delta, one outcome for the whole request, and no sample left running when another
 failed or sample 0 was refused."""
 
@@ -14,11 +14,11 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
+from kvseal.api.app import build_app
+from kvseal.api.http_errors import error_response
 from kvseal.config import ServerConfig
-from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.errors import InvalidRequest, KvsealError, WorkerFailed
-from kvseal.router.api import build_app
-from kvseal.router.http_errors import error_response
+from kvseal.wire.messages import GenerateDelta, GenerateRequest
 
 from .conftest import FakeTokenizer
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvseal.faults import parse
-from kvseal.worker import protocol as P
+from kvseal.wire import protocol as P
 
 
 @pytest.mark.parametrize(("spec", "why"), [

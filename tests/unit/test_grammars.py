@@ -16,11 +16,11 @@ import pytest
 from kvseal.config import GrammarConfig
 from kvseal.engine.engine import Engine
 from kvseal.engine.grammar_compiler import CompilerInit
-from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
 from kvseal.engine.sampling import LOGPROB_FLOOR
-from kvseal.engine.structured import Grammars, response_format
+from kvseal.engine.structured import Grammars
 from kvseal.errors import InvalidRequest, KvsealError
 from kvseal.model.checkpoint import Checkpoint
+from kvseal.wire.messages import GenerateDelta, GenerateRequest, SamplingParams, response_format
 
 from .conftest import make_engine
 

@@ -20,10 +20,11 @@ from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from kvseal.engine.engine import Engine
 from kvseal.engine.kv_decode import DecodeConnector
 from kvseal.engine.kv_prefill import PrefillConnector
-from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
 from kvseal.engine.sequence import Sequence
 from kvseal.errors import InvalidRequest, KvsealError, RequestAborted, TransferVerificationFailed
-from kvseal.transfer.manifest import PagePayload, Reservation
+from kvseal.transfer.manifest import PagePayload
+from kvseal.wire.messages import GenerateDelta, GenerateRequest, SamplingParams
+from kvseal.wire.reservation import Reservation
 
 from .conftest import tiny_checkpoint
 

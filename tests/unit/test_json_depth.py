@@ -1,4 +1,4 @@
-"""JSON inside a request is read at most MAX_JSON_DEPTH levels deep (router/json_depth.py): a call's arguments
+"""JSON inside a request is read at most MAX_JSON_DEPTH levels deep (api/json_depth.py): a call's arguments
 text, a tool's schema, response_format's schema, a tool_use input; deeper is a 400 naming the field and the limit,
 never a RecursionError (a 500) in the template or the schema that walks it later."""
 
@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from kvseal.api.anthropic_protocol import MessagesRequest
+from kvseal.api.http_errors import validation_error
+from kvseal.api.json_depth import MAX_JSON_DEPTH, TooDeep, loads, raw_decode, too_deep
+from kvseal.api.protocol import ChatCompletionRequest, message_dicts
+from kvseal.api.responses_protocol import ResponsesRequest
 from kvseal.errors import InvalidRequest
-from kvseal.router.anthropic_protocol import MessagesRequest
-from kvseal.router.http_errors import validation_error
-from kvseal.router.json_depth import MAX_JSON_DEPTH, TooDeep, loads, raw_decode, too_deep
-from kvseal.router.protocol import ChatCompletionRequest, message_dicts
-from kvseal.router.responses_protocol import ResponsesRequest
 
 
 def arrays(levels: int) -> str:
@@ -48,7 +48,7 @@ def test_parsing_past_the_limit_is_a_value_error_never_a_recursion_error(levels:
 def refused(model: type[BaseModel], body: dict[str, Any]) -> InvalidRequest:
     with pytest.raises(ValidationError) as e:
         model.model_validate(body)
-    return validation_error(e.value.errors())  # what the HTTP layer answers (router/http_errors.py)
+    return validation_error(e.value.errors())  # what the HTTP layer answers (api/http_errors.py)
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

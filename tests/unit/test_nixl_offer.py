@@ -7,9 +7,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvseal.kv.spec import KVSpec
 from kvseal.transfer.manifest import KVManifest
 from kvseal.transfer.nixl_offer import ADDRESS_SPACE, MAX_PAGES, Geometry, NixlOffer, check_offer, offered
+from kvseal.wire.kvspec import KVSpec
 
 READER = Geometry(k_ptr=0x10000, v_ptr=0x90000, layers=3, pages=16, block=256)
 MANIFEST = KVManifest(request_id="r", reservation_id="x", nonce="0" * 32, num_tokens=9, num_pages=3,

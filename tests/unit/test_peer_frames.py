@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
 from kvseal.errors import InternalError, TransferVerificationFailed
-from kvseal.transfer.manifest import KVManifest, PagePayload, Reservation, build_manifest
+from kvseal.transfer.manifest import KVManifest, PagePayload, build_manifest
+from kvseal.wire.messages import GenerateDelta, GenerateRequest, SamplingParams
+from kvseal.wire.reservation import Reservation
 from tests.helpers.halves import DecodeHalf, PrefillHalf, decode_engine, prefill_engine
 
 from .conftest import tiny_checkpoint

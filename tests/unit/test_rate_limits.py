@@ -1,4 +1,4 @@
-"""Per-tenant limits at the router (router/limits.py, router/ratelimit.py): token buckets on a fake clock, and over
+"""Per-tenant limits at the router (tenancy/limits.py, tenancy/ratelimit.py): token buckets on a fake clock, and over
 HTTP the 429 in OpenAI's shape with Retry-After and the x-ratelimit-* headers, before the backend sees anything;
 the other tenant is neither refused nor charged."""
 
@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from kvseal.api.app import build_app
 from kvseal.config import ServerConfig, TenantPolicy
-from kvseal.engine.messages import GenerateDelta, GenerateRequest
 from kvseal.errors import RateLimited
-from kvseal.router.api import build_app
-from kvseal.router.limits import RateLimiter, duration
-from kvseal.router.tenant_file import key_digest
+from kvseal.tenancy.limits import RateLimiter, duration
+from kvseal.tenancy.tenant_file import key_digest
+from kvseal.wire.messages import GenerateDelta, GenerateRequest
 
 from .conftest import FakeTokenizer
 

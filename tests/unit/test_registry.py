@@ -7,7 +7,7 @@ import pytest
 
 from kvseal.errors import CapacityMismatch
 from kvseal.router.registry import Agreement, FleetSpec, check_fleet, check_worker
-from kvseal.worker import protocol as P
+from kvseal.wire import protocol as P
 from tests.helpers.cards import card
 
 BASE = card().to_json()  # the values, by the names /info and the error messages use

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from kvseal.config import CacheConfig, EngineConfig, ModelConfig
-from kvseal.engine.messages import GenerateRequest, SamplingParams
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 from tests.helpers.halves import decode_engine
 
 from .conftest import tiny_checkpoint

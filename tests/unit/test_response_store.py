@@ -1,11 +1,11 @@
-"""The Responses API's store (router/response_store.py): an entry is its tenant's alone, each tenant keeps at most
+"""The Responses API's store (tenancy/response_store.py): an entry is its tenant's alone, each tenant keeps at most
 its own entry and byte budget (its least recently used leave first), an entry past the TTL is gone, and no
 tenant's writes evict or reveal another tenant's entries (seal 11)."""
 
 from __future__ import annotations
 
 from kvseal.config import TenantPolicy
-from kvseal.router.response_store import ResponseStore, StoreBudget, budget_for, entry_size
+from kvseal.tenancy.response_store import ResponseStore, StoreBudget, budget_for, entry_size
 
 TURN = [{"role": "user", "content": "hi"}]
 ONE = entry_size(TURN, {})

@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 
-from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
 from kvseal.errors import StreamBroken, WorkerFailed
 from kvseal.router.disagg_request import DEFAULT_TIMEOUTS, DisaggRequest
-from kvseal.worker import protocol as P
+from kvseal.wire import protocol as P
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.messages import GenerateDelta, GenerateRequest, SamplingParams
+from kvseal.wire.reservation import Reservation
 
 RID = "cmpl-frames"
 
@@ -50,6 +52,9 @@ def _delta(seq: int, tok: int) -> P.DeltaMsg:
 def _request(prefill: Worker, decode: Worker) -> DisaggRequest:
     r = DisaggRequest(GenerateRequest(RID, [1, 2, 3], SamplingParams(max_tokens=8)), DEFAULT_TIMEOUTS)
     r.prefill, r.decode = prefill, decode  # type: ignore[assignment]  # as reserve() pairs them
+    r.reservation = Reservation(request_id=RID, reservation_id="r1", nonce="00" * 16, num_tokens=3, page_ids=[0],
+                                kv=KVSpec(model_fingerprint="f", page_size=16, kv_dtype="float32", kv_layout="l"),
+                                kv_endpoint="tcp://127.0.0.1:1")  # as decode grants it
     r.start_prefill()
     return r
 

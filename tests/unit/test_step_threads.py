@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.kernels import ops
 from kvseal.model.checkpoint import Checkpoint
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 from tests.unit.conftest import make_engine
 
 

@@ -1,11 +1,11 @@
 """The router's edge, shared by every tenant, partitioned by tenant (seal 11), over HTTP on a fake backend:
 
-- the threads that render and tokenize (router/textpool.py): one tenant filling them holds up no other tenant;
-- a prompt that cannot fit the window is refused before it is tokenized (router/text.py);
-- /tokenize, /detokenize and stored-response lookups count against rpm and max_concurrent (router/ratelimit.py);
-- request bodies in progress have a budget per tenant (router/bodylimit.py);
+- the threads that render and tokenize (tenancy/textpool.py): one tenant filling them holds up no other tenant;
+- a prompt that cannot fit the window is refused before it is tokenized (api/text.py);
+- /tokenize, /detokenize and stored-response lookups count against rpm and max_concurrent (tenancy/ratelimit.py);
+- request bodies in progress have a budget per tenant (tenancy/bodylimit.py);
 - stored responses: metadata and tools bounded as OpenAI bounds them, store: false keeps nothing, a conversation
-  over the tenant's own budget is refused before any work (router/routes/responses.py).
+  over the tenant's own budget is refused before any work (api/routes/responses.py).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
+from kvseal.api.app import build_app
 from kvseal.config import ServerConfig, TenantPolicy
-from kvseal.engine.messages import GenerateDelta, GenerateRequest
-from kvseal.router.api import build_app
-from kvseal.router.tenant_file import key_digest
+from kvseal.tenancy.tenant_file import key_digest
+from kvseal.wire.messages import GenerateDelta, GenerateRequest
 
 from .conftest import FakeTokenizer, _FakeBackend, _FakeEncoding
 
@@ -244,7 +244,7 @@ def test_store_false_keeps_nothing_and_a_conversation_over_the_budget_is_refused
             r = await responses_post(c, {"input": "hi", "store": False})
             assert r.status_code == 200
             assert (await c.get(f"/v1/responses/{r.json()['id']}", headers=ALICE)).status_code == 404
-            assert len(app.state.responses) == 0
+            assert len(app.state.responses.store) == 0
             kept = await responses_post(c, {"input": "hi"})
             assert (await c.get(f"/v1/responses/{kept.json()['id']}", headers=ALICE)).status_code == 200
             metadata = {f"k{i}": "v" * 300 for i in range(16)}  # 4.8 kB echoed with the answer: over the 4.1

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvseal.config import ServerConfig, TenantPolicy
-from kvseal.router.tenant_file import read_tenants_file
+from kvseal.tenancy.tenant_file import read_tenants_file
 
 
 def _read(tmp_path: Path, text: str) -> object:

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from kvseal.api.app import build_app
 from kvseal.config import ServerConfig
-from kvseal.engine.messages import GenerateDelta, GenerateRequest, SamplingParams
 from kvseal.router.affinity import PrefixAffinity
-from kvseal.router.api import build_app
-from kvseal.router.tenants import load_api_keys
+from kvseal.tenancy.tenants import load_api_keys
+from kvseal.wire.messages import GenerateDelta, GenerateRequest, SamplingParams
 
 from .conftest import FakeTokenizer
 

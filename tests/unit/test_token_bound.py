@@ -9,7 +9,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from kvseal.model.loader import load_tokenizer
+from kvseal.model.locate import load_tokenizer
 from kvseal.model.token_bound import longest_token_bytes, min_tokens
 from tests.helpers.bundled import bundled_tokenizer
 from tests.helpers.real_models import real_model

@@ -1,4 +1,4 @@
-"""Tool-call splitters (router/tools/): the same events whole or streamed in any cut, a broken call stays text (a
+"""Tool-call splitters (api/tools/): the same events whole or streamed in any cut, a broken call stays text (a
 forced one cut short is nothing), and text that may start a call is held back until it is decided."""
 
 from __future__ import annotations
@@ -7,16 +7,16 @@ import json
 
 import pytest
 
-from kvseal.engine.messages import SamplingParams
-from kvseal.engine.params import MAX_ADDED_STOPS, MAX_STOPS, check_sampling
+from kvseal.api.json_depth import MAX_JSON_DEPTH
+from kvseal.api.tools.calls import Call, Event, Text
+from kvseal.api.tools.families import family_of
+from kvseal.api.tools.hermes import Hermes
+from kvseal.api.tools.llama3 import Llama3
+from kvseal.api.tools.output import StreamCalls, split_whole
+from kvseal.api.tools.plan import Function, plan_tools
+from kvseal.engine.params import check_sampling
 from kvseal.errors import InvalidRequest
-from kvseal.router.json_depth import MAX_JSON_DEPTH
-from kvseal.router.tools.calls import Call, Event, Text
-from kvseal.router.tools.families import family_of
-from kvseal.router.tools.hermes import Hermes
-from kvseal.router.tools.llama3 import Llama3
-from kvseal.router.tools.output import StreamCalls, split_whole
-from kvseal.router.tools.plan import Function, plan_tools
+from kvseal.wire.messages import MAX_ADDED_STOPS, MAX_STOPS, SamplingParams
 
 NAMES = frozenset({"get_weather", "get_time"})
 QWEN_TEMPLATE = "{% if tools %}<tools>{% endif %}<tool_call>\n{\"name\": ...}\n</tool_call>"

@@ -1,12 +1,12 @@
-"""Seal 3 at the router's door (router/routes/generate.py): a prompt plus max_tokens over the served window is a 400
+"""Seal 3 at the router's door (api/routes/generate.py): a prompt plus max_tokens over the served window is a 400
 `context_length_exceeded` naming both numbers, and the backend never sees the request (no worker does)."""
 
 from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
+from kvseal.api.app import build_app
 from kvseal.config import ServerConfig
-from kvseal.router.api import build_app
 
 from .test_fanout import ScriptedBackend
 

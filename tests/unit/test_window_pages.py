@@ -14,10 +14,10 @@ import torch
 
 from kvseal.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvseal.engine.engine import Engine
-from kvseal.engine.messages import GenerateRequest, SamplingParams
 from kvseal.kv.allocator import FREE, NotOwner, pages_for
 from kvseal.kv.window import WindowPages, split_pages, split_window
 from kvseal.model.checkpoint import Checkpoint
+from kvseal.wire.messages import GenerateRequest, SamplingParams
 
 from .conftest import make_engine, tiny_checkpoint
 from .test_engine import drain, prompt, tokens

@@ -11,12 +11,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvseal.kv.spec import KVSpec
 from kvseal.router.membership import Standing
 from kvseal.router.workers import WorkerClient
-from kvseal.transfer.manifest import Reservation
-from kvseal.worker import protocol as P
-from kvseal.worker.card import WorkerCard
+from kvseal.wire import protocol as P
+from kvseal.wire.card import WorkerCard
+from kvseal.wire.kvspec import KVSpec
+from kvseal.wire.reservation import Reservation
 from tests.helpers.cards import CARD, card
 
 DECODE = card(role="decode", reservation_timeout_s=120.0)

@@ -1,0 +1,1 @@
+"""The HTTP routes, one module per concern; api/app.py mounts them."""

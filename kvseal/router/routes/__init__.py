@@ -1,1 +1,0 @@
-"""The HTTP routes, one module per concern; router/api.py mounts them."""
