@@ -9,9 +9,10 @@
  *                      one quantization of x, one parallel pass over all their tiles. Float segments are multiplied
  *                      as stored by the exact kernel (kvs_gemm_ld: float32 FMA, also batch invariant).
  *  kvs_qlinear         one segment, scratch of its own.
- *  kvs_qisa            which instruction set the dispatcher picked (3 avx512-vnni, 2 avx-vnni, 1 avx2); each set
- *                      is checked on its own (kvs_qisa_have, kvs_qisa_pick), and KVSEAL_QISA naming one the CPU
- *                      lacks is refused (kvs_qisa_refused), never run
+ *  kvs_qisa            which instruction set the dispatcher picked (4 amx-int8: AMX tiles from AMX_FROM_ROWS rows
+ *                      of x, AVX-512-VNNI below; 3 avx512-vnni, 2 avx-vnni, 1 avx2); each set is checked on its own
+ *                      (kvs_qisa_have, kvs_qisa_pick), and KVSEAL_QISA naming one the CPU lacks is refused
+ *                      (kvs_qisa_refused), never run
  *
  * Invariant (batch invariance): an element y[m, n] is computed by one thread, from row m of x and column n of
  * W only, with the same float operations in the same order whatever M is, whichever rows share the call, and
@@ -28,6 +29,9 @@
 
 #ifndef MR512
 #define MR512 8 /* rows of x per micro-kernel call: 512-bit paths (32 registers) */
+#endif
+#ifndef AMX_FROM_ROWS
+#define AMX_FROM_ROWS 16 /* rows of x from which the AMX path runs (below: AVX-512-VNNI, the same bits) */
 #endif
 #define MR256 6 /* 256-bit paths (16 registers): 6 rows for the 4/5-bit types, 4 for Q6_K and Q8_0 (measured:
                    their extra weight registers make 6 rows spill) */
@@ -219,28 +223,30 @@ static void quantize_row(const float *x, int64_t K, int8_t *qx, float *dx, int32
 #pragma GCC pop_options
 
 /* The integer instruction sets this CPU has, as a mask: bit 1 AVX2 (the library's baseline), bit 2 AVX-VNNI, bit 3
-   AVX-512-VNNI (with the F, BW and VL parts the AVX-512 tiles use). They are independent features, not a ladder:
-   Zen 4, Ice Lake and Cascade Lake have AVX-512-VNNI but no AVX-VNNI; Alder Lake has AVX-VNNI but no AVX-512. */
+   AVX-512-VNNI (with the F, BW and VL parts the AVX-512 tiles use), bit 4 AMX-INT8 (with AVX-512-VNNI, tile state
+   saved by the OS and granted to this process: qamx.c). They are independent features, not a ladder: Zen 4, Ice
+   Lake and Cascade Lake have AVX-512-VNNI but no AVX-VNNI; Alder Lake has AVX-VNNI but no AVX-512. */
 int kvs_qisa_have(void) {
     __builtin_cpu_init();
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    return (avx2 << 1) | ((avx2 && __builtin_cpu_supports("avxvnni")) << 2) | (avx512 << 3);
+    return (avx2 << 1) | ((avx2 && __builtin_cpu_supports("avxvnni")) << 2) | (avx512 << 3) |
+           ((avx512 && kvs_qamx_usable()) << 4);
 }
 
 /* The set to run for a CPU with sets `have` (kvs_qisa_have's mask) when `forced` (KVSEAL_QISA; 0: none) asks for
    one: the forced one only if the CPU has it, else the best it has. Each set is checked on its own. */
 int kvs_qisa_pick(int have, int forced) {
-    if (forced >= 1 && forced <= 3 && ((have >> forced) & 1)) return forced;
-    return (have >> 3) & 1 ? 3 : (have >> 2) & 1 ? 2 : 1;
+    if (forced >= 1 && forced <= 4 && ((have >> forced) & 1)) return forced;
+    return (have >> 4) & 1 ? 4 : (have >> 3) & 1 ? 3 : (have >> 2) & 1 ? 2 : 1;
 }
 
 static int qisa_forced(void) { /* KVSEAL_QISA (tests: a lower path on a CPU that has a higher one); 0: unset,
-                                  -1: not one of 1, 2, 3 */
+                                  -1: not one of 1, 2, 3, 4 */
     const char *force = getenv("KVSEAL_QISA");
     if (!force || !*force) return 0;
-    return (force[0] >= '1' && force[0] <= '3' && !force[1]) ? force[0] - '0' : -1;
+    return (force[0] >= '1' && force[0] <= '4' && !force[1]) ? force[0] - '0' : -1;
 }
 
 static int chosen_isa(void) {
@@ -258,16 +264,61 @@ int kvs_qisa_refused(void) {
     return forced != 0 && forced != chosen_isa() ? forced : 0;
 }
 
-/* Bytes of scratch kvs_qlinear_mat needs for M rows of K inputs: the int8 rows and their block sums and scales. */
-int64_t kvs_qscratch_bytes(int64_t M, int64_t K) { return M * K + M * (K / QK) * 20; }
+/* Rows of x the scratch holds: whole AMX row tiles of 16 (the padding rows are zero). */
+static int64_t padded_rows(int64_t M) { return (M + 15) / 16 * 16; }
+
+/* Bytes of scratch kvs_qlinear_mat needs for M rows of K inputs: the int8 rows (padded to whole row tiles), their
+   block sums and scales, and the scales again per row tile for the AMX path. */
+int64_t kvs_qscratch_bytes(int64_t M, int64_t K) {
+    return padded_rows(M) * K + M * (K / QK) * 20 + padded_rows(M) * (K / QK) * 8;
+}
 
 static int is_float(int type) { return type == QT_F32 || type == QT_F16 || type == QT_BF16; }
+
+/* The AMX path's rows per pass over the tiles: x's int8 rows of one pass stay in this core's L2 (about 1 MB)
+   while every tile is multiplied by them; each tile is unpacked once per pass. */
+static int64_t amx_pass_rows(int64_t K) {
+    int64_t r = (1 << 20) / K / 16 * 16;
+    return r < 32 ? 32 : r > 256 ? 256 : r;
+}
+
+/* One thread's unpacked tile (kvs_qamx_unpack), kept between calls: grown when a wider K needs it. */
+static _Thread_local uint8_t *amx_buf;
+static _Thread_local int64_t amx_cap;
+
+static uint8_t *amx_buffer(int64_t bytes) {
+    if (bytes > amx_cap) {
+        free(amx_buf);
+        amx_buf = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        amx_cap = amx_buf ? bytes : 0;
+    }
+    return amx_buf;
+}
+
+typedef struct {
+    const kvs_mat *mat;
+    const int64_t *tile0; /* first tile of each segment in the pass */
+    int64_t K, N;
+} tiles;
+
+/* tile t of the pass -> its segment's type, packed data, units, output columns and their count */
+static const uint8_t *tile_at(const tiles *ts, int64_t t, int *type, int64_t *nu, int64_t *col, int64_t *ncols) {
+    int s = 0;
+    int64_t c0 = 0;
+    while (t >= ts->tile0[s + 1]) c0 += ts->mat->rows[s++];
+    *type = ts->mat->type[s];
+    const int64_t lt = t - ts->tile0[s];
+    *nu = ts->K / kvs_qunit_elems(*type);
+    *col = c0 + lt * NT;
+    *ncols = ts->mat->rows[s] - lt * NT < NT ? ts->mat->rows[s] - lt * NT : NT;
+    return ts->mat->data[s] + lt * *nu * kvs_qunit_bytes(*type);
+}
 
 /* y (M, N) = x (M, K) @ W^T, N the rows of all segments, with caller-owned scratch (kvs_qscratch_bytes).
    Threads split the tiles of every quantized segment in one pass (never K). */
 int kvs_qlinear_mat(const kvs_mat *mat, int64_t K, const float *x, int64_t M, float *y, void *scratch) {
     if (mat->nseg < 1 || mat->nseg > KVS_MAXSEG || M <= 0) return -1;
-    const int64_t N = kvs_mat_rows(mat), nb = K / QK;
+    const int64_t N = kvs_mat_rows(mat), nb = K / QK, M16 = padded_rows(M);
     int64_t tile0[KVS_MAXSEG + 1] = {0}; /* first tile of each segment in the pass; float segments have none */
     for (int s = 0; s < mat->nseg; s++) {
         if (mat->rows[s] <= 0 || kvs_qpacked_bytes(mat->type[s], mat->rows[s], K) < 0) return -1;
@@ -276,26 +327,60 @@ int kvs_qlinear_mat(const kvs_mat *mat, int64_t K, const float *x, int64_t M, fl
     const int64_t ntiles = tile0[mat->nseg];
     if (ntiles > 0) {
         int8_t *qx = (int8_t *)scratch;
-        float *dx = (float *)(qx + M * K), *dxs = dx + M * nb;
+        float *dx = (float *)(qx + M16 * K), *dxs = dx + M * nb;
         int32_t *sx = (int32_t *)(dxs + M * nb), *bs32 = sx + M * nb;
+        float *dxt = (float *)(bs32 + 2 * M * nb), *dxst = dxt + M16 * nb;
 #pragma omp parallel for schedule(static) if (M * K > 16384)
         for (int64_t m = 0; m < M; m++)
             quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb, dxs + m * nb, bs32 + 2 * m * nb);
         const qrows xr = {qx, dx, dxs, sx, bs32};
         const int isa = chosen_isa();
-        const tile_fn fn = isa == 3 ? tile_avx512 : isa == 2 ? tile_avxvnni : tile_avx2;
+        const tiles ts = {mat, tile0, K, N};
+        if (isa == 4 && M >= AMX_FROM_ROWS) {
+            /* per row tile, per block: the 16 rows' scales side by side; rows past M are zero */
+            memset(qx + M * K, 0, (size_t)((M16 - M) * K));
+            for (int64_t m = 0; m < M16; m++)
+                for (int64_t b = 0; b < nb; b++) {
+                    const int64_t i = (m / 16 * nb + b) * 16 + m % 16;
+                    dxt[i] = m < M ? dx[m * nb + b] : 0.0f;
+                    dxst[i] = m < M ? dxs[m * nb + b] : 0.0f;
+                }
+            const int64_t pass = amx_pass_rows(K);
+            int failed = 0;
+#pragma omp parallel reduction(| : failed)
+            {
+                kvs_qamx_begin();
+                for (int64_t m0 = 0; m0 < M; m0 += pass) {
+                    const int64_t rows = M - m0 < pass ? M - m0 : pass;
+#pragma omp for schedule(static)
+                    for (int64_t t = 0; t < ntiles; t++) {
+                        int type;
+                        int64_t nu, col, ncols;
+                        const uint8_t *tile = tile_at(&ts, t, &type, &nu, &col, &ncols);
+                        uint8_t *wb = amx_buffer(kvs_qamx_unpacked_bytes(type, K));
+                        if (!wb) {
+                            failed = 1;
+                            continue;
+                        }
+                        kvs_qamx_unpack(type, tile, nu, wb);
+                        kvs_qamx_rows(type, wb, K, qx, dxt, dxst, m0, rows, y + m0 * N + col, N, ncols);
+                    }
+                }
+                kvs_qamx_end();
+            }
+            if (failed) return -4;
+        } else {
+            const tile_fn fn = isa >= 3 ? tile_avx512 : isa == 2 ? tile_avxvnni : tile_avx2;
 #pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < ntiles; t++) {
-            int s = 0;
-            int64_t c0 = 0;
-            while (t >= tile0[s + 1]) c0 += mat->rows[s++];
-            const int type = mat->type[s];
-            const int64_t lt = t - tile0[s], nu = K / kvs_qunit_elems(type);
-            const uint8_t *tile = mat->data[s] + lt * nu * kvs_qunit_bytes(type);
-            const int64_t ncols = mat->rows[s] - lt * NT < NT ? mat->rows[s] - lt * NT : NT;
-            float *yt = y + c0 + lt * NT;
-            const int64_t mr = isa == 3 ? MR512 : type == QT_Q6_K || type == QT_Q8_0 ? 4 : MR256;
-            for (int64_t m = 0; m < M; m += mr) fn(type, tile, nu, &xr, K, m, M - m < mr ? M - m : mr, yt + m * N, N, ncols);
+            for (int64_t t = 0; t < ntiles; t++) {
+                int type;
+                int64_t nu, col, ncols;
+                const uint8_t *tile = tile_at(&ts, t, &type, &nu, &col, &ncols);
+                float *yt = y + col;
+                const int64_t mr = isa >= 3 ? MR512 : type == QT_Q6_K || type == QT_Q8_0 ? 4 : MR256;
+                for (int64_t m = 0; m < M; m += mr)
+                    fn(type, tile, nu, &xr, K, m, M - m < mr ? M - m : mr, yt + m * N, N, ncols);
+            }
         }
     }
     int64_t c0 = 0;
@@ -329,11 +414,13 @@ int kvs_qlinear(int type, const uint8_t *packed, int64_t N, int64_t K, const flo
 #pragma GCC target("avx512f,avx512vnni,avx512bf16")
 /* 12 independent 512-bit instructions per round, `rounds` times: kind 0 vpdpbusd (64 int8 multiply-adds each),
    1 vfmadd231ps (16 float32), 2 vdpbf16ps (32 bfloat16); 256-bit: 3 vpmaddubsw (32 int8 multiply-adds, the AVX2
-   path's), 4 vfmadd231ps (8 float32). Returns instructions issued (the caller times it); -1 when this CPU lacks
+   path's), 4 vfmadd231ps (8 float32); AMX tiles: 5 TDPBSSD (16 x 16 x 64 int8), 6 TDPBF16PS (16 x 16 x 32
+   bfloat16). Returns instructions issued (the caller times it); -1 when this CPU lacks
    the instruction. */
 static int64_t peak_issue_avx2(int kind, int64_t rounds);
 
 int64_t kvs_peak_issue(int kind, int64_t rounds) {
+    if (kind >= 5) return kvs_qamx_peak(kind - 5, rounds);
     if (kind >= 3) return peak_issue_avx2(kind, rounds);
     if (!__builtin_cpu_supports("avx512f") || (kind == 0 && !__builtin_cpu_supports("avx512vnni")) ||
         (kind == 2 && !__builtin_cpu_supports("avx512bf16")))
