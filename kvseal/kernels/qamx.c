@@ -7,7 +7,8 @@
  *  kvs_qamx_unpack   one packed tile (qpack.c: 16 columns) -> per block of 32 inputs: the int8 B tile (8 rows
  *                    of 64 bytes: row g = the 4 weights 4g..4g+3 of each column, what TDPB*D multiplies), and
  *                    the block's float scales per column (D, M: the same float32 products qtile.h forms).
- *  kvs_qamx_rows     rows [m0, m0 + rows) of y for one unpacked tile: per 16 rows and block b,
+ *  kvs_qamx_tile     rows [m0, m0 + rows) of y for one packed tile, unpacked a chunk of K at a time: per 16 rows
+ *                    and block b,
  *                    C (16 x 16 int32) = x's int8 rows (A, 16 x 32) . B, exact; then per row, in block order,
  *                    acc = fma(float(C), D * dx, acc) [; acc = fma(M, dxs, acc)] as in qtile.h.
  * Q6_K's two halves of 16 weights each have their own integer scale: B holds q - 32 (signed) twice, once with
@@ -59,10 +60,9 @@ int kvs_qamx_usable(void) {
     return usable;
 }
 
-/* Bytes per block of 32 inputs in an unpacked tile: B (Q6_K: two), then D and M (Q6_K: D, sca, scb) x 16 floats */
-static int64_t ublock(int type) { return type == QT_Q6_K ? 1024 + 192 : 512 + 128; }
-
-int64_t kvs_qamx_unpacked_bytes(int type, int64_t K) { return K / QK * ublock(type); }
+/* Bytes per block of 32 inputs in an unpacked tile: B (Q6_K: its two half tiles, overlapping in 256 zero bytes),
+   then D and M (Q6_K: D, sca, scb) x 16 floats */
+static int64_t ublock(int type) { return type == QT_Q6_K ? 768 + 192 : 512 + 128; }
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -111,26 +111,24 @@ void kvs_qamx_unpack(int type, const uint8_t *tile, int64_t nu, uint8_t *out) {
         for (int s = 0; s < (kq ? 8 : 1); s++) {
             const uint8_t *blk = kq ? unit + hdr + s * sub : unit;
             uint8_t *o = out + ((kq ? u * 8 + s : u)) * ub;
-            float *sc = (float *)(o + (type == QT_Q6_K ? 1024 : 512));
+            float *sc = (float *)(o + (type == QT_Q6_K ? 768 : 512));
             if (type == QT_Q8_0) {
                 for (int g = 0; g < 8; g++) stw(o + 64 * g, ldw(blk + 64 * g));
                 _mm512_store_ps(sc, loadh(blk + 512));
             } else if (type == QT_Q6_K) {
-                const __m512i zero = _mm512_setzero_si512(), b32 = _mm512_set1_epi8(32);
-                for (int part = 0; part < 2; part++) {
-                    const __m512i P = ldw(blk + 256 + 64 * part);
-                    for (int c = 0; c < 4; c++) {
-                        const __m512i w = ldw(blk + 64 * c);
-                        __m512i v = part ? _mm512_and_si512(_mm512_srli_epi16(w, 4), m4) : _mm512_and_si512(w, m4);
-                        const __m512i top = c == 0   ? _mm512_slli_epi32(P, 4)
-                                            : c == 1 ? _mm512_slli_epi32(P, 2)
-                                            : c == 2 ? P
-                                                     : _mm512_srli_epi32(P, 2);
-                        v = _mm512_sub_epi8(_mm512_or_si512(v, _mm512_and_si512(top, m30)), b32);
-                        /* B_lo (o) has rows 0..3, B_hi (o + 512) rows 4..7; the other half of each is zero */
-                        stw(o + 512 * part + 64 * (4 * part + c), v);
-                        stw(o + 512 * (1 - part) + 64 * (4 * part + c), zero);
-                    }
+                /* lo (weights 0..15) | 256 zero bytes | hi (16..31): B_lo = the first 512 bytes, B_hi = 512 from 256 */
+                const __m512i b32 = _mm512_set1_epi8(32), P0 = ldw(blk + 256), P1 = ldw(blk + 320);
+                for (int c = 0; c < 4; c++) {
+                    const __m512i w = ldw(blk + 64 * c);
+                    const int up = 4 - 2 * c; /* the 2-bit plane of chunk c to bits 4, 5 */
+                    const __m512i t0 = up >= 0 ? _mm512_slli_epi32(P0, up) : _mm512_srli_epi32(P0, -up);
+                    const __m512i t1 = up >= 0 ? _mm512_slli_epi32(P1, up) : _mm512_srli_epi32(P1, -up);
+                    const __m512i lo = _mm512_or_si512(_mm512_and_si512(w, m4), _mm512_and_si512(t0, m30));
+                    const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), m4),
+                                                       _mm512_and_si512(t1, m30));
+                    stw(o + 64 * c, _mm512_sub_epi8(lo, b32));
+                    stw(o + 256 + 64 * c, _mm512_setzero_si512());
+                    stw(o + 512 + 64 * c, _mm512_sub_epi8(hi, b32));
                 }
                 _mm512_store_ps(sc, dsup);
                 _mm512_store_ps(sc + 16, loadi8f(blk + 384));
@@ -198,7 +196,7 @@ void kvs_qamx_unpack(int type, const uint8_t *tile, int64_t nu, uint8_t *out) {
         _tile_zero(c1);                                                                                       \
         _tile_loadd(a, qx + (b) * QK, K);                                                                     \
         _tile_loadd(6, wb + (b) * ub, 64);                                                                    \
-        _tile_loadd(7, wb + (b) * ub + 512, 64);                                                              \
+        _tile_loadd(7, wb + (b) * ub + 256, 64);                                                              \
         _tile_dpbssd(c0, a, 6);                                                                               \
         _tile_dpbssd(c1, a, 7);                                                                               \
     } while (0)
@@ -218,7 +216,7 @@ static inline __attribute__((always_inline)) void epilogue(__m512 *acc, const in
 /* Q6_K: sca * C0 + scb * C1 in float32 (exact, see the top), then as the others without the offset */
 static inline __attribute__((always_inline)) void epilogue_q6(__m512 *acc, const int32_t *c0, const int32_t *c1,
                                                              const uint8_t *o, const float *dxb) {
-    const float *sc = (const float *)(o + 1024);
+    const float *sc = (const float *)(o + 768);
     const __m512 D = _mm512_load_ps(sc), sa = _mm512_load_ps(sc + 16), sb = _mm512_load_ps(sc + 32);
     for (int r = 0; r < 16; r++) {
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(c0 + 16 * r)));
@@ -234,10 +232,10 @@ static inline __attribute__((always_inline)) void epilogue_q6(__m512 *acc, const
    are scaled into acc. Even steps use C tiles 0, 1 and buffers 0, 1; odd steps 2, 3. */
 static inline __attribute__((always_inline)) void rows16(const int type, const uint8_t *wb, int64_t nb,
                                                         const int8_t *qx, const float *dxt, const float *dxst,
-                                                        int64_t K, float *y, int64_t ldy, int64_t rows,
-                                                        int64_t ncols) {
+                                                        int64_t K, float *part, int first, int last, float *y,
+                                                        int64_t ldy, int64_t rows, int64_t ncols) {
     __m512 acc[16];
-    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < 16; r++) acc[r] = first ? _mm512_setzero_ps() : _mm512_load_ps(part + 16 * r);
     int32_t cb[4][256] __attribute__((aligned(64)));
     const int64_t ub = ublock(type);
     const int offset = type != QT_Q8_0 && type != QT_Q6_K;
@@ -281,30 +279,60 @@ static inline __attribute__((always_inline)) void rows16(const int type, const u
     }
 #undef ISSUE
 #undef STORE
+    if (!last) {
+        for (int r = 0; r < 16; r++) _mm512_store_ps(part + 16 * r, acc[r]);
+        return;
+    }
     const __mmask16 mask = (__mmask16)(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
     for (int r = 0; r < 16; r++)
         if (r < rows) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
 }
 
-/* Rows [m0, m0 + rows) of one tile's 16 columns. qx: (M16, K), row tiles whole (rows past M zero); dxt, dxst:
-   per row tile, per block, the 16 rows' dx and dxs (zero past M). Inside kvs_qamx_begin / kvs_qamx_end. */
-void kvs_qamx_rows(int type, const uint8_t *wb, int64_t K, const int8_t *qx, const float *dxt, const float *dxst,
-                   int64_t m0, int64_t rows, float *y, int64_t ldy, int64_t ncols) {
-    const int64_t nb = K / QK;
-    for (int64_t m = m0; m < m0 + rows; m += 16) {
-        const int64_t t = m / 16, n = m0 + rows - m < 16 ? m0 + rows - m : 16;
-        const int8_t *a = qx + m * K;
-        const float *d = dxt + t * nb * 16, *ds = dxst + t * nb * 16;
-        float *yr = y + (m - m0) * ldy;
-        switch (type) {
-            case QT_Q4_0: rows16(QT_Q4_0, wb, nb, a, d, ds, K, yr, ldy, n, ncols); break;
-            case QT_Q4_1: rows16(QT_Q4_1, wb, nb, a, d, ds, K, yr, ldy, n, ncols); break;
-            case QT_Q5_0: rows16(QT_Q5_0, wb, nb, a, d, ds, K, yr, ldy, n, ncols); break;
-            case QT_Q8_0: rows16(QT_Q8_0, wb, nb, a, d, ds, K, yr, ldy, n, ncols); break;
-            case QT_Q4_K: rows16(QT_Q4_K, wb, nb, a, d, ds, K, yr, ldy, n, ncols); break;
-            case QT_Q5_K: rows16(QT_Q5_K, wb, nb, a, d, ds, K, yr, ldy, n, ncols); break;
-            case QT_Q6_K: rows16(QT_Q6_K, wb, nb, a, d, ds, K, yr, ldy, n, ncols); break;
-            default: return;
+/* Units (blocks of 32, or super-blocks of 256) unpacked at a time: the whole tile when it unpacks into at most
+   CHUNK_MAX bytes, else chunks of at most CHUNK bytes: the chunk stays in L1 while every row tile of the pass
+   multiplies it (each chunk restarts the pipeline of rows16 once per row tile, so no smaller than needed). */
+#define CHUNK_MAX (32 << 10)
+#define CHUNK (16 << 10)
+static int64_t chunk_units(int type, int64_t nu) {
+    const int64_t unit = ublock(type) * (kvs_qunit_elems(type) / QK);
+    if (nu * unit <= CHUNK_MAX) return nu;
+    return CHUNK / unit > 0 ? CHUNK / unit : 1;
+}
+
+#define WORK_ACC (256 * 16 * 4) /* partial sums of the pass's rows (at most 256) between chunks */
+int64_t kvs_qamx_work_bytes(void) { return WORK_ACC + CHUNK_MAX; }
+
+/* Rows [m0, m0 + rows) (rows <= 256) of one packed tile's 16 columns: chunk by chunk of K, each unpacked once into
+   work (kvs_qamx_work_bytes, 64-byte aligned) and multiplied by every row tile, whose partial sums wait in work
+   between chunks (stored and loaded unchanged: the float steps per row stay in block order). qx: (M16, K), row
+   tiles whole (rows past M zero); dxt, dxst: per row tile, per block, the 16 rows' dx and dxs (zero past M).
+   Inside kvs_qamx_begin / kvs_qamx_end. */
+void kvs_qamx_tile(int type, const uint8_t *tile, int64_t K, const int8_t *qx, const float *dxt, const float *dxst,
+                   int64_t m0, int64_t rows, float *y, int64_t ldy, int64_t ncols, uint8_t *work) {
+    const int64_t nb = K / QK, ue = kvs_qunit_elems(type), nu = K / ue, bpu = ue / QK, cu = chunk_units(type, nu);
+    float *part = (float *)work;
+    uint8_t *wb = work + WORK_ACC;
+    for (int64_t u0 = 0; u0 < nu; u0 += cu) {
+        const int64_t nuc = nu - u0 < cu ? nu - u0 : cu, b0 = u0 * bpu, nbc = nuc * bpu;
+        kvs_qamx_unpack(type, tile + u0 * kvs_qunit_bytes(type), nuc, wb);
+        const int first = u0 == 0, last = u0 + nuc == nu;
+        for (int64_t m = m0; m < m0 + rows; m += 16) {
+            const int64_t t = m / 16, n = m0 + rows - m < 16 ? m0 + rows - m : 16;
+            const int8_t *a = qx + m * K + b0 * QK;
+            const float *d = dxt + (t * nb + b0) * 16, *ds = dxst + (t * nb + b0) * 16;
+            float *yr = y + (m - m0) * ldy, *pr = part + (m - m0) * 16;
+#define ROWS(T) rows16(T, wb, nbc, a, d, ds, K, pr, first, last, yr, ldy, n, ncols)
+            switch (type) {
+                case QT_Q4_0: ROWS(QT_Q4_0); break;
+                case QT_Q4_1: ROWS(QT_Q4_1); break;
+                case QT_Q5_0: ROWS(QT_Q5_0); break;
+                case QT_Q8_0: ROWS(QT_Q8_0); break;
+                case QT_Q4_K: ROWS(QT_Q4_K); break;
+                case QT_Q5_K: ROWS(QT_Q5_K); break;
+                case QT_Q6_K: ROWS(QT_Q6_K); break;
+                default: return;
+            }
+#undef ROWS
         }
     }
 }

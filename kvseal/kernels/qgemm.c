@@ -282,17 +282,13 @@ static int64_t amx_pass_rows(int64_t K) {
     return r < 32 ? 32 : r > 256 ? 256 : r;
 }
 
-/* One thread's unpacked tile (kvs_qamx_unpack), kept between calls: grown when a wider K needs it. */
-static _Thread_local uint8_t *amx_buf;
-static _Thread_local int64_t amx_cap;
+/* One thread's AMX work area (kvs_qamx_work_bytes: an unpacked chunk of a tile, partial sums), kept between
+   calls. */
+static _Thread_local uint8_t *amx_work;
 
-static uint8_t *amx_buffer(int64_t bytes) {
-    if (bytes > amx_cap) {
-        free(amx_buf);
-        amx_buf = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
-        amx_cap = amx_buf ? bytes : 0;
-    }
-    return amx_buf;
+static uint8_t *amx_buffer(void) {
+    if (!amx_work) amx_work = aligned_alloc(64, (size_t)((kvs_qamx_work_bytes() + 63) / 64 * 64));
+    return amx_work;
 }
 
 typedef struct {
@@ -357,13 +353,13 @@ int kvs_qlinear_mat(const kvs_mat *mat, int64_t K, const float *x, int64_t M, fl
                         int type;
                         int64_t nu, col, ncols;
                         const uint8_t *tile = tile_at(&ts, t, &type, &nu, &col, &ncols);
-                        uint8_t *wb = amx_buffer(kvs_qamx_unpacked_bytes(type, K));
-                        if (!wb) {
+                        uint8_t *work = amx_buffer();
+                        if (!work) {
                             failed = 1;
                             continue;
                         }
-                        kvs_qamx_unpack(type, tile, nu, wb);
-                        kvs_qamx_rows(type, wb, K, qx, dxt, dxst, m0, rows, y + m0 * N + col, N, ncols);
+                        (void)nu;
+                        kvs_qamx_tile(type, tile, K, qx, dxt, dxst, m0, rows, y + m0 * N + col, N, ncols, work);
                     }
                 }
                 kvs_qamx_end();

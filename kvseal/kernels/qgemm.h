@@ -27,12 +27,12 @@ typedef void (*tile_fn)(int type, const uint8_t *tile, int64_t nu, const qrows *
 
 /* AMX int8 tiles (qamx.c) */
 int kvs_qamx_usable(void);
-int64_t kvs_qamx_unpacked_bytes(int type, int64_t K);
+int64_t kvs_qamx_work_bytes(void);
 void kvs_qamx_begin(void);
 void kvs_qamx_end(void);
 void kvs_qamx_unpack(int type, const uint8_t *tile, int64_t nu, uint8_t *out);
-void kvs_qamx_rows(int type, const uint8_t *wb, int64_t K, const int8_t *qx, const float *dxt, const float *dxst,
-                   int64_t m0, int64_t rows, float *y, int64_t ldy, int64_t ncols);
+void kvs_qamx_tile(int type, const uint8_t *tile, int64_t K, const int8_t *qx, const float *dxt, const float *dxst,
+                   int64_t m0, int64_t rows, float *y, int64_t ldy, int64_t ncols, uint8_t *work);
 int64_t kvs_qamx_peak(int kind, int64_t rounds);
 
 static inline int32_t ld32(const int8_t *p) {
