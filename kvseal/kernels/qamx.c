@@ -1,20 +1,14 @@
-/* The fast arithmetic on AMX int8 tiles (Sapphire Rapids and later): the same integers and the same float32
- * steps as the vector micro-kernel (qtile.h), so the same bits, with the integer dot products moved to the tile
- * unit. qgemm.c calls it for M >= AMX_FROM_ROWS when the CPU and the OS allow AMX; it is never required.
+/* The fast arithmetic on AMX int8 tiles (Sapphire Rapids and later), over tiles unpacked by qunpack.c: the same
+ * integers and float32 steps as qtile.h, so the same bits, with the integer dot products on the tile unit.
+ * qgemm.c runs it for M >= AMX_FROM_ROWS when the CPU and the OS allow AMX; it is never required.
  *
  *  kvs_qamx_usable   1 when CPUID has AMX-TILE and AMX-INT8 with AVX-512 (F, BW, VL, VNNI), the OS saves tile
  *                    state (XCR0 bits 17, 18) and Linux grants this process the tile data (ARCH_REQ_XCOMP_PERM).
- *  kvs_qamx_unpack   one packed tile (qpack.c: 16 columns) -> per block of 32 inputs: the int8 B tile (8 rows
- *                    of 64 bytes: row g = the 4 weights 4g..4g+3 of each column, what TDPB*D multiplies), and
- *                    the block's float scales per column (D, M: the same float32 products qtile.h forms).
- *  kvs_qamx_tile     rows [m0, m0 + rows) of y for one packed tile, unpacked a chunk of K at a time: per 16 rows
- *                    and block b,
- *                    C (16 x 16 int32) = x's int8 rows (A, 16 x 32) . B, exact; then per row, in block order,
- *                    acc = fma(float(C), D * dx, acc) [; acc = fma(M, dxs, acc)] as in qtile.h.
- * Q6_K's two halves of 16 weights each have their own integer scale: B holds q - 32 (signed) twice, once with
- * the upper half zeroed and once with the lower half zeroed, so C0 + C1 splits the block's sum at its halves;
- * then sca * C0 + scb * C1 in float32 is exact (every term an integer below 2^24: |C| <= 16 * 32 * 127,
- * |sc| <= 128) and equals qtile.h's float(int32 sum).
+ *  kvs_qamx_rows16   one row tile (16 rows) of an unpacked chunk: per block b, C (16 x 16 int32) = A (the rows'
+ *                    int8 inputs, 16 x 32) . B (the block's 8 rows of 4 weights per column), exact; then per row,
+ *                    in block order, acc = fma(float(C), D * dx, acc) [; acc = fma(M, dxs, acc)] as in qtile.h.
+ *                    Q6_K's halves: two C tiles, from B with the other half zero.
+ *  kvs_qamx_peak     the tile unit's rate, for benchmarks.limits.
  */
 #define _GNU_SOURCE /* syscall */
 #include <immintrin.h>
@@ -60,10 +54,6 @@ int kvs_qamx_usable(void) {
     return usable;
 }
 
-/* Bytes per block of 32 inputs in an unpacked tile: B (Q6_K: its two half tiles, overlapping in 256 zero bytes),
-   then D and M (Q6_K: D, sca, scb) x 16 floats */
-static int64_t ublock(int type) { return type == QT_Q6_K ? 768 + 192 : 512 + 128; }
-
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -84,87 +74,6 @@ void kvs_qamx_begin(void) { _tile_loadconfig(&kernel_cfg); }
 
 void kvs_qamx_end(void) { _tile_release(); }
 
-static inline __m512 loadh(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-static inline __m512 loadu8f(const uint8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-static inline __m512 loadi8f(const uint8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-static inline __m512i ldw(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
-static inline void stw(uint8_t *p, __m512i v) { _mm512_store_si512((void *)p, v); }
-
-/* out: 64-byte aligned, kvs_qamx_unpacked_bytes(type, K) bytes; the scales are the float32 values qtile.h forms */
-void kvs_qamx_unpack(int type, const uint8_t *tile, int64_t nu, uint8_t *out) {
-    const int64_t tb = kvs_qunit_bytes(type), ub = ublock(type);
-    const int kq = type == QT_Q4_K || type == QT_Q5_K || type == QT_Q6_K;
-    const int five = type == QT_Q5_0 || type == QT_Q5_K;
-    const int64_t sub = type == QT_Q4_K ? 288 : type == QT_Q5_K ? 352 : 416, hdr = type == QT_Q6_K ? 32 : 64;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10), m30 = _mm512_set1_epi8(0x30);
-    for (int64_t u = 0; u < nu; u++) {
-        const uint8_t *unit = tile + u * tb;
-        __m512 dsup = _mm512_setzero_ps(), ndmin = _mm512_setzero_ps();
-        if (kq) {
-            dsup = loadh(unit);
-            if (type != QT_Q6_K) ndmin = _mm512_mul_ps(loadh(unit + 32), _mm512_set1_ps(-1.0f));
-        }
-        for (int s = 0; s < (kq ? 8 : 1); s++) {
-            const uint8_t *blk = kq ? unit + hdr + s * sub : unit;
-            uint8_t *o = out + ((kq ? u * 8 + s : u)) * ub;
-            float *sc = (float *)(o + (type == QT_Q6_K ? 768 : 512));
-            if (type == QT_Q8_0) {
-                for (int g = 0; g < 8; g++) stw(o + 64 * g, ldw(blk + 64 * g));
-                _mm512_store_ps(sc, loadh(blk + 512));
-            } else if (type == QT_Q6_K) {
-                /* lo (weights 0..15) | 256 zero bytes | hi (16..31): B_lo = the first 512 bytes, B_hi = 512 from 256 */
-                const __m512i b32 = _mm512_set1_epi8(32), P0 = ldw(blk + 256), P1 = ldw(blk + 320);
-                for (int c = 0; c < 4; c++) {
-                    const __m512i w = ldw(blk + 64 * c);
-                    const int up = 4 - 2 * c; /* the 2-bit plane of chunk c to bits 4, 5 */
-                    const __m512i t0 = up >= 0 ? _mm512_slli_epi32(P0, up) : _mm512_srli_epi32(P0, -up);
-                    const __m512i t1 = up >= 0 ? _mm512_slli_epi32(P1, up) : _mm512_srli_epi32(P1, -up);
-                    const __m512i lo = _mm512_or_si512(_mm512_and_si512(w, m4), _mm512_and_si512(t0, m30));
-                    const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), m4),
-                                                       _mm512_and_si512(t1, m30));
-                    stw(o + 64 * c, _mm512_sub_epi8(lo, b32));
-                    stw(o + 256 + 64 * c, _mm512_setzero_si512());
-                    stw(o + 512 + 64 * c, _mm512_sub_epi8(hi, b32));
-                }
-                _mm512_store_ps(sc, dsup);
-                _mm512_store_ps(sc + 16, loadi8f(blk + 384));
-                _mm512_store_ps(sc + 32, loadi8f(blk + 400));
-            } else {
-                const __m512i P = five ? ldw(blk + 256) : _mm512_setzero_si512();
-                for (int c = 0; c < 4; c++) {
-                    const __m512i w = ldw(blk + 64 * c);
-                    __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
-                    if (five) {
-                        const __m512i pl = _mm512_slli_epi32(P, 4 - c), ph = _mm512_srli_epi32(P, c);
-                        lo = _mm512_or_si512(lo, _mm512_and_si512(pl, m10));
-                        hi = _mm512_or_si512(hi, _mm512_and_si512(ph, m10));
-                    }
-                    stw(o + 64 * c, lo);
-                    stw(o + 64 * (4 + c), hi);
-                }
-                __m512 D, M;
-                if (type == QT_Q4_K || type == QT_Q5_K) {
-                    const uint8_t *scm = blk + sub - 32;
-                    D = _mm512_mul_ps(dsup, loadu8f(scm));
-                    M = _mm512_mul_ps(ndmin, loadu8f(scm + 16));
-                } else if (type == QT_Q5_0) {
-                    D = loadh(blk + 320);
-                    M = _mm512_mul_ps(D, _mm512_set1_ps(-16.0f));
-                } else {
-                    D = loadh(blk + 256);
-                    M = loadh(blk + 288);
-                }
-                _mm512_store_ps(sc, D);
-                _mm512_store_ps(sc + 16, M);
-            }
-        }
-    }
-}
-
 /* Blocks are issued to the tile unit a pair ahead of the float steps that consume them: while the vector units
    scale one pair's C tiles, the tile unit multiplies the next pair into the other two C tiles. */
 #define TDP(c, a, b_)              \
@@ -179,12 +88,12 @@ void kvs_qamx_unpack(int type, const uint8_t *tile, int64_t nu, uint8_t *out) {
 #define ISSUE_PAIR(c0, c1, b, two)                                                                            \
     do {                                                                                                      \
         _tile_zero(c0);                                                                                       \
-        _tile_loadd(4, qx + (b) * QK, K);                                                                     \
+        _tile_loadd(4, qx + (b) * 512, 32);                                                                     \
         _tile_loadd(6, wb + (b) * ub, 64);                                                                    \
         TDP(c0, 4, 6);                                                                                        \
         if (two) {                                                                                            \
             _tile_zero(c1);                                                                                   \
-            _tile_loadd(5, qx + ((b) + 1) * QK, K);                                                           \
+            _tile_loadd(5, qx + ((b) + 1) * 512, 32);                                                           \
             _tile_loadd(7, wb + ((b) + 1) * ub, 64);                                                          \
             TDP(c1, 5, 7);                                                                                    \
         }                                                                                                     \
@@ -194,7 +103,7 @@ void kvs_qamx_unpack(int type, const uint8_t *tile, int64_t nu, uint8_t *out) {
     do {                                                                                                      \
         _tile_zero(c0);                                                                                       \
         _tile_zero(c1);                                                                                       \
-        _tile_loadd(a, qx + (b) * QK, K);                                                                     \
+        _tile_loadd(a, qx + (b) * 512, 32);                                                                     \
         _tile_loadd(6, wb + (b) * ub, 64);                                                                    \
         _tile_loadd(7, wb + (b) * ub + 256, 64);                                                              \
         _tile_dpbssd(c0, a, 6);                                                                               \
@@ -232,12 +141,12 @@ static inline __attribute__((always_inline)) void epilogue_q6(__m512 *acc, const
    are scaled into acc. Even steps use C tiles 0, 1 and buffers 0, 1; odd steps 2, 3. */
 static inline __attribute__((always_inline)) void rows16(const int type, const uint8_t *wb, int64_t nb,
                                                         const int8_t *qx, const float *dxt, const float *dxst,
-                                                        int64_t K, float *part, int first, int last, float *y,
+                                                        float *part, int first, int last, float *y,
                                                         int64_t ldy, int64_t rows, int64_t ncols) {
     __m512 acc[16];
     for (int r = 0; r < 16; r++) acc[r] = first ? _mm512_setzero_ps() : _mm512_load_ps(part + 16 * r);
     int32_t cb[4][256] __attribute__((aligned(64)));
-    const int64_t ub = ublock(type);
+    const int64_t ub = kvs_qup_block_bytes(type);
     const int offset = type != QT_Q8_0 && type != QT_Q6_K;
     const int sx = type == QT_Q8_0; /* signed weights (Q6_K's are signed too: its own path) */
     const int q6 = type == QT_Q6_K;
@@ -288,53 +197,23 @@ static inline __attribute__((always_inline)) void rows16(const int type, const u
         if (r < rows) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
 }
 
-/* Units (blocks of 32, or super-blocks of 256) unpacked at a time: the whole tile when it unpacks into at most
-   CHUNK_MAX bytes, else chunks of at most CHUNK bytes: the chunk stays in L1 while every row tile of the pass
-   multiplies it (each chunk restarts the pipeline of rows16 once per row tile, so no smaller than needed). */
-#define CHUNK_MAX (32 << 10)
-#define CHUNK (16 << 10)
-static int64_t chunk_units(int type, int64_t nu) {
-    const int64_t unit = ublock(type) * (kvs_qunit_elems(type) / QK);
-    if (nu * unit <= CHUNK_MAX) return nu;
-    return CHUNK / unit > 0 ? CHUNK / unit : 1;
-}
-
-#define WORK_ACC (256 * 16 * 4) /* partial sums of the pass's rows (at most 256) between chunks */
-int64_t kvs_qamx_work_bytes(void) { return WORK_ACC + CHUNK_MAX; }
-
-/* Rows [m0, m0 + rows) (rows <= 256) of one packed tile's 16 columns: chunk by chunk of K, each unpacked once into
-   work (kvs_qamx_work_bytes, 64-byte aligned) and multiplied by every row tile, whose partial sums wait in work
-   between chunks (stored and loaded unchanged: the float steps per row stay in block order). qx: (M16, K), row
-   tiles whole (rows past M zero); dxt, dxst: per row tile, per block, the 16 rows' dx and dxs (zero past M).
-   Inside kvs_qamx_begin / kvs_qamx_end. */
-void kvs_qamx_tile(int type, const uint8_t *tile, int64_t K, const int8_t *qx, const float *dxt, const float *dxst,
-                   int64_t m0, int64_t rows, float *y, int64_t ldy, int64_t ncols, uint8_t *work) {
-    const int64_t nb = K / QK, ue = kvs_qunit_elems(type), nu = K / ue, bpu = ue / QK, cu = chunk_units(type, nu);
-    float *part = (float *)work;
-    uint8_t *wb = work + WORK_ACC;
-    for (int64_t u0 = 0; u0 < nu; u0 += cu) {
-        const int64_t nuc = nu - u0 < cu ? nu - u0 : cu, b0 = u0 * bpu, nbc = nuc * bpu;
-        kvs_qamx_unpack(type, tile + u0 * kvs_qunit_bytes(type), nuc, wb);
-        const int first = u0 == 0, last = u0 + nuc == nu;
-        for (int64_t m = m0; m < m0 + rows; m += 16) {
-            const int64_t t = m / 16, n = m0 + rows - m < 16 ? m0 + rows - m : 16;
-            const int8_t *a = qx + m * K + b0 * QK;
-            const float *d = dxt + (t * nb + b0) * 16, *ds = dxst + (t * nb + b0) * 16;
-            float *yr = y + (m - m0) * ldy, *pr = part + (m - m0) * 16;
-#define ROWS(T) rows16(T, wb, nbc, a, d, ds, K, pr, first, last, yr, ldy, n, ncols)
-            switch (type) {
-                case QT_Q4_0: ROWS(QT_Q4_0); break;
-                case QT_Q4_1: ROWS(QT_Q4_1); break;
-                case QT_Q5_0: ROWS(QT_Q5_0); break;
-                case QT_Q8_0: ROWS(QT_Q8_0); break;
-                case QT_Q4_K: ROWS(QT_Q4_K); break;
-                case QT_Q5_K: ROWS(QT_Q5_K); break;
-                case QT_Q6_K: ROWS(QT_Q6_K); break;
-                default: return;
-            }
-#undef ROWS
-        }
+/* Row tile t of one unpacked chunk (kvs_qup_tile), the type a constant in each case */
+void kvs_qamx_rows16(int type, const uint8_t *wb, int64_t nbc, const qtiles *x, int64_t t, int64_t b0, float *part,
+                     int first, int last, float *y, int64_t ldy, int64_t rows, int64_t ncols) {
+    const int8_t *a = x->qt + (t * x->nb + b0) * 512;
+    const float *d = x->dx + (t * x->nb + b0) * 16, *ds = x->dxs + (t * x->nb + b0) * 16;
+#define ROWS(T) rows16(T, wb, nbc, a, d, ds, part, first, last, y, ldy, rows, ncols)
+    switch (type) {
+        case QT_Q4_0: ROWS(QT_Q4_0); break;
+        case QT_Q4_1: ROWS(QT_Q4_1); break;
+        case QT_Q5_0: ROWS(QT_Q5_0); break;
+        case QT_Q8_0: ROWS(QT_Q8_0); break;
+        case QT_Q4_K: ROWS(QT_Q4_K); break;
+        case QT_Q5_K: ROWS(QT_Q5_K); break;
+        case QT_Q6_K: ROWS(QT_Q6_K); break;
+        default: return;
     }
+#undef ROWS
 }
 
 /* ---- the tile unit's peak, for benchmarks.limits: `rounds` x 4 independent full-tile products ---------------- */

@@ -33,6 +33,9 @@
 #ifndef AMX_FROM_ROWS
 #define AMX_FROM_ROWS 16 /* rows of x from which the AMX path runs (below: AVX-512-VNNI, the same bits) */
 #endif
+/* Rows of x from which AVX-512-VNNI multiplies unpacked tiles (qunpack.c) rather than unpacking in registers per
+   group of rows (qtile.h), by block type (measured on Sapphire Rapids: Q6_K's in-register unpacking costs more) */
+static int64_t unpack_from(int type) { return type == QT_Q6_K || type == QT_Q5_K ? 8 : 24; }
 #define MR256 6 /* 256-bit paths (16 registers): 6 rows for the 4/5-bit types, 4 for Q6_K and Q8_0 (measured:
                    their extra weight registers make 6 rows spill) */
 
@@ -264,37 +267,36 @@ int kvs_qisa_refused(void) {
     return forced != 0 && forced != chosen_isa() ? forced : 0;
 }
 
-/* Rows of x the scratch holds: whole AMX row tiles of 16 (the padding rows are zero). */
+/* Rows of x in the unpacked paths' layout: whole row tiles of 16 (the padding rows are zero). */
 static int64_t padded_rows(int64_t M) { return (M + 15) / 16 * 16; }
 
-/* Bytes of scratch kvs_qlinear_mat needs for M rows of K inputs: the int8 rows (padded to whole row tiles), their
-   block sums and scales, and the scales again per row tile for the AMX path. */
+/* Bytes of scratch kvs_qlinear_mat needs for M rows of K inputs: the int8 rows and their block sums and scales,
+   row by row (qtile.h), and again per row tile (the unpacked paths: qtiles). */
 int64_t kvs_qscratch_bytes(int64_t M, int64_t K) {
-    return padded_rows(M) * K + M * (K / QK) * 20 + padded_rows(M) * (K / QK) * 8;
+    return M * K + M * (K / QK) * 20 + padded_rows(M) * K + padded_rows(M) * (K / QK) * 20;
 }
 
 static int is_float(int type) { return type == QT_F32 || type == QT_F16 || type == QT_BF16; }
 
-/* The AMX path's rows per pass over the tiles: x's int8 rows of one pass stay in this core's L2 (about 1 MB)
-   while every tile is multiplied by them; each tile is unpacked once per pass. */
-static int64_t amx_pass_rows(int64_t K) {
+/* The unpacked paths' rows per pass over the tiles: x's int8 rows of one pass stay in this core's L2 (about 1 MB)
+   while every tile is multiplied by them. */
+static int64_t pass_rows(int64_t K) {
     int64_t r = (1 << 20) / K / 16 * 16;
     return r < 32 ? 32 : r > 256 ? 256 : r;
 }
 
-/* One thread's AMX work area (kvs_qamx_work_bytes: an unpacked chunk of a tile, partial sums), kept between
-   calls. */
-static _Thread_local uint8_t *amx_work;
+/* One thread's work area for the unpacked paths (kvs_qup_work_bytes), kept between calls. */
+static _Thread_local uint8_t *up_work;
 
-static uint8_t *amx_buffer(void) {
-    if (!amx_work) amx_work = aligned_alloc(64, (size_t)((kvs_qamx_work_bytes() + 63) / 64 * 64));
-    return amx_work;
+static uint8_t *work_area(void) {
+    if (!up_work) up_work = aligned_alloc(64, (size_t)((kvs_qup_work_bytes() + 63) / 64 * 64));
+    return up_work;
 }
 
 typedef struct {
     const kvs_mat *mat;
     const int64_t *tile0; /* first tile of each segment in the pass */
-    int64_t K, N;
+    int64_t K;
 } tiles;
 
 /* tile t of the pass -> its segment's type, packed data, units, output columns and their count */
@@ -310,6 +312,29 @@ static const uint8_t *tile_at(const tiles *ts, int64_t t, int *type, int64_t *nu
     return ts->mat->data[s] + lt * *nu * kvs_qunit_bytes(*type);
 }
 
+/* x's quantized rows (xr) -> the unpacked paths' layout (xt: buffers of kvs_qscratch_bytes), padding rows zero */
+static void tile_rows(const qrows *xr, int64_t M, int64_t K, int8_t *qt, float *dxt, float *dxst, int32_t *sx128,
+                      int32_t *bslo, int32_t *bshi) {
+    const int64_t nb = K / QK, M16 = padded_rows(M);
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+    for (int64_t m = 0; m < M16; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t i = (m / 16 * nb + b) * 16 + m % 16, j = m * nb + b;
+            if (m < M) {
+                memcpy(qt + i * 32, xr->qx + m * K + b * QK, QK);
+                dxt[i] = xr->dx[j];
+                dxst[i] = xr->dxs[j];
+                sx128[i] = 128 * xr->sx[j];
+                bslo[i] = xr->bs32[2 * j];
+                bshi[i] = xr->bs32[2 * j + 1];
+            } else {
+                memset(qt + i * 32, 0, QK);
+                dxt[i] = dxst[i] = 0.0f;
+                sx128[i] = bslo[i] = bshi[i] = 0;
+            }
+        }
+}
+
 /* y (M, N) = x (M, K) @ W^T, N the rows of all segments, with caller-owned scratch (kvs_qscratch_bytes).
    Threads split the tiles of every quantized segment in one pass (never K). */
 int kvs_qlinear_mat(const kvs_mat *mat, int64_t K, const float *x, int64_t M, float *y, void *scratch) {
@@ -323,61 +348,52 @@ int kvs_qlinear_mat(const kvs_mat *mat, int64_t K, const float *x, int64_t M, fl
     const int64_t ntiles = tile0[mat->nseg];
     if (ntiles > 0) {
         int8_t *qx = (int8_t *)scratch;
-        float *dx = (float *)(qx + M16 * K), *dxs = dx + M * nb;
+        float *dx = (float *)(qx + M * K), *dxs = dx + M * nb;
         int32_t *sx = (int32_t *)(dxs + M * nb), *bs32 = sx + M * nb;
-        float *dxt = (float *)(bs32 + 2 * M * nb), *dxst = dxt + M16 * nb;
+        int8_t *qt = (int8_t *)(bs32 + 2 * M * nb);
+        float *dxt = (float *)(qt + M16 * K), *dxst = dxt + M16 * nb;
+        int32_t *sx128 = (int32_t *)(dxst + M16 * nb), *bslo = sx128 + M16 * nb, *bshi = bslo + M16 * nb;
 #pragma omp parallel for schedule(static) if (M * K > 16384)
         for (int64_t m = 0; m < M; m++)
             quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb, dxs + m * nb, bs32 + 2 * m * nb);
         const qrows xr = {qx, dx, dxs, sx, bs32};
         const int isa = chosen_isa();
-        const tiles ts = {mat, tile0, K, N};
-        if (isa == 4 && M >= AMX_FROM_ROWS) {
-            /* per row tile, per block: the 16 rows' scales side by side; rows past M are zero */
-            memset(qx + M * K, 0, (size_t)((M16 - M) * K));
-            for (int64_t m = 0; m < M16; m++)
-                for (int64_t b = 0; b < nb; b++) {
-                    const int64_t i = (m / 16 * nb + b) * 16 + m % 16;
-                    dxt[i] = m < M ? dx[m * nb + b] : 0.0f;
-                    dxst[i] = m < M ? dxs[m * nb + b] : 0.0f;
-                }
-            const int64_t pass = amx_pass_rows(K);
-            int failed = 0;
+        const tiles ts = {mat, tile0, K};
+        const int amx = isa == 4 && M >= AMX_FROM_ROWS;
+        int unpacked = amx; /* does any tile run on unpacked tiles */
+        for (int s = 0; s < mat->nseg; s++) unpacked |= isa >= 3 && !is_float(mat->type[s]) && M >= unpack_from(mat->type[s]);
+        const qtiles xt = {qt, dxt, dxst, sx128, bslo, bshi, nb};
+        if (unpacked) tile_rows(&xr, M, K, qt, dxt, dxst, sx128, bslo, bshi);
+        const int64_t pass = unpacked ? pass_rows(K) : M;
+        const tile_fn fn = isa >= 3 ? tile_avx512 : isa == 2 ? tile_avxvnni : tile_avx2;
+        int failed = 0;
 #pragma omp parallel reduction(| : failed)
-            {
-                kvs_qamx_begin();
-                for (int64_t m0 = 0; m0 < M; m0 += pass) {
-                    const int64_t rows = M - m0 < pass ? M - m0 : pass;
+        {
+            if (amx) kvs_qamx_begin();
+            for (int64_t m0 = 0; m0 < M; m0 += pass) {
+                const int64_t rows = M - m0 < pass ? M - m0 : pass;
 #pragma omp for schedule(static)
-                    for (int64_t t = 0; t < ntiles; t++) {
-                        int type;
-                        int64_t nu, col, ncols;
-                        const uint8_t *tile = tile_at(&ts, t, &type, &nu, &col, &ncols);
-                        uint8_t *work = amx_buffer();
-                        if (!work) {
+                for (int64_t t = 0; t < ntiles; t++) {
+                    int type;
+                    int64_t nu, col, ncols;
+                    const uint8_t *tile = tile_at(&ts, t, &type, &nu, &col, &ncols);
+                    float *yt = y + m0 * N + col;
+                    if (amx || (isa >= 3 && M >= unpack_from(type))) {
+                        uint8_t *work = work_area();
+                        if (work)
+                            kvs_qup_tile(amx, type, tile, K, &xt, m0, rows, yt, N, ncols, work);
+                        else
                             failed = 1;
-                            continue;
-                        }
-                        (void)nu;
-                        kvs_qamx_tile(type, tile, K, qx, dxt, dxst, m0, rows, y + m0 * N + col, N, ncols, work);
+                        continue;
                     }
+                    const int64_t mr = isa >= 3 ? MR512 : type == QT_Q6_K || type == QT_Q8_0 ? 4 : MR256;
+                    for (int64_t m = 0; m < rows; m += mr)
+                        fn(type, tile, nu, &xr, K, m0 + m, rows - m < mr ? rows - m : mr, yt + m * N, N, ncols);
                 }
-                kvs_qamx_end();
             }
-            if (failed) return -4;
-        } else {
-            const tile_fn fn = isa >= 3 ? tile_avx512 : isa == 2 ? tile_avxvnni : tile_avx2;
-#pragma omp parallel for schedule(static)
-            for (int64_t t = 0; t < ntiles; t++) {
-                int type;
-                int64_t nu, col, ncols;
-                const uint8_t *tile = tile_at(&ts, t, &type, &nu, &col, &ncols);
-                float *yt = y + col;
-                const int64_t mr = isa >= 3 ? MR512 : type == QT_Q6_K || type == QT_Q8_0 ? 4 : MR256;
-                for (int64_t m = 0; m < M; m += mr)
-                    fn(type, tile, nu, &xr, K, m, M - m < mr ? M - m : mr, yt + m * N, N, ncols);
-            }
+            if (amx) kvs_qamx_end();
         }
+        if (failed) return -4;
     }
     int64_t c0 = 0;
     for (int s = 0; s < mat->nseg; c0 += mat->rows[s], s++)

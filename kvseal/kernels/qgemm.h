@@ -25,14 +25,26 @@ typedef struct {
 typedef void (*tile_fn)(int type, const uint8_t *tile, int64_t nu, const qrows *x, int64_t K, int64_t m0,
                         int64_t mr, float *y, int64_t ldy, int64_t ncols);
 
+/* x for the unpacked-tile paths (qunpack.c, qamx.c): per row tile of 16 rows and block b, the 16 rows' 32 int8
+   inputs side by side (512 bytes, row r at 32 r) and their per-block values (16 each, rows past M zero) */
+typedef struct {
+    const int8_t *qt;                   /* (M16 / 16, nb, 16, 32) */
+    const float *dx, *dxs;              /* (M16 / 16, nb, 16) */
+    const int32_t *sx128, *bslo, *bshi; /* 128 sum(qx) (Q8_0's offset on VNNI), 32 sum of each half (Q6_K's) */
+    int64_t nb;
+} qtiles;
+
+int64_t kvs_qup_block_bytes(int type);
+int64_t kvs_qup_work_bytes(void);
+void kvs_qup_unpack(int type, const uint8_t *tile, int64_t nu, uint8_t *out, int vnni);
+void kvs_qup_tile(int amx, int type, const uint8_t *tile, int64_t K, const qtiles *x, int64_t m0, int64_t rows,
+                  float *y, int64_t ldy, int64_t ncols, uint8_t *work);
 /* AMX int8 tiles (qamx.c) */
 int kvs_qamx_usable(void);
-int64_t kvs_qamx_work_bytes(void);
 void kvs_qamx_begin(void);
 void kvs_qamx_end(void);
-void kvs_qamx_unpack(int type, const uint8_t *tile, int64_t nu, uint8_t *out);
-void kvs_qamx_tile(int type, const uint8_t *tile, int64_t K, const int8_t *qx, const float *dxt, const float *dxst,
-                   int64_t m0, int64_t rows, float *y, int64_t ldy, int64_t ncols, uint8_t *work);
+void kvs_qamx_rows16(int type, const uint8_t *wb, int64_t nbc, const qtiles *x, int64_t t, int64_t b0, float *part,
+                     int first, int last, float *y, int64_t ldy, int64_t rows, int64_t ncols);
 int64_t kvs_qamx_peak(int kind, int64_t rounds);
 
 static inline int32_t ld32(const int8_t *p) {
