@@ -380,8 +380,16 @@ int kvs_qlinear_mat(const kvs_mat *mat, int64_t K, const float *x, int64_t M, fl
                     float *yt = y + m0 * N + col;
                     if (amx || (isa >= 3 && M >= unpack_from(type))) {
                         uint8_t *work = work_area();
+                        const uint8_t *next = NULL;
+                        int64_t next_bytes = 0;
+                        if (t + 1 < ntiles) {
+                            int nt;
+                            int64_t nnu, ncol, nnc;
+                            next = tile_at(&ts, t + 1, &nt, &nnu, &ncol, &nnc);
+                            next_bytes = nnu * kvs_qunit_bytes(nt);
+                        }
                         if (work)
-                            kvs_qup_tile(amx, type, tile, K, &xt, m0, rows, yt, N, ncols, work);
+                            kvs_qup_tile(amx, type, tile, K, &xt, m0, rows, yt, N, ncols, work, next, next_bytes);
                         else
                             failed = 1;
                         continue;

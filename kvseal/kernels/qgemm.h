@@ -38,7 +38,7 @@ int64_t kvs_qup_block_bytes(int type);
 int64_t kvs_qup_work_bytes(void);
 void kvs_qup_unpack(int type, const uint8_t *tile, int64_t nu, uint8_t *out, int vnni);
 void kvs_qup_tile(int amx, int type, const uint8_t *tile, int64_t K, const qtiles *x, int64_t m0, int64_t rows,
-                  float *y, int64_t ldy, int64_t ncols, uint8_t *work);
+                  float *y, int64_t ldy, int64_t ncols, uint8_t *work, const uint8_t *next, int64_t next_bytes);
 /* AMX int8 tiles (qamx.c) */
 int kvs_qamx_usable(void);
 void kvs_qamx_begin(void);

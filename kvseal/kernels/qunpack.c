@@ -211,10 +211,15 @@ static int64_t chunk_units(int type, int64_t nu) {
 int64_t kvs_qup_work_bytes(void) { return WORK_ACC + CHUNK_MAX; }
 
 /* Rows [m0, m0 + rows) (m0 a multiple of 16, rows <= 256) of one packed tile's 16 columns, on AMX (inside
-   kvs_qamx_begin / kvs_qamx_end) or VNNI. work: kvs_qup_work_bytes, 64-byte aligned. */
+   kvs_qamx_begin / kvs_qamx_end) or VNNI. work: kvs_qup_work_bytes, 64-byte aligned. next, next_bytes: the tile
+   this thread multiplies next (or NULL), prefetched into L2 a slice per row tile, so that its unpacking does not
+   wait on memory (a decode step's weights are read from DRAM once per step). */
 void kvs_qup_tile(int amx, int type, const uint8_t *tile, int64_t K, const qtiles *x, int64_t m0, int64_t rows,
-                  float *y, int64_t ldy, int64_t ncols, uint8_t *work) {
+                  float *y, int64_t ldy, int64_t ncols, uint8_t *work, const uint8_t *next, int64_t next_bytes) {
     const int64_t ue = kvs_qunit_elems(type), nu = K / ue, bpu = ue / QK, cu = chunk_units(type, nu);
+    const int64_t steps = (nu + cu - 1) / cu * ((rows + 15) / 16); /* (chunk, row tile) pairs */
+    const int64_t slice = next ? (next_bytes + steps - 1) / steps : 0;
+    int64_t fetched = 0;
     float *part = (float *)work;
     uint8_t *wb = work + WORK_ACC;
     for (int64_t u0 = 0; u0 < nu; u0 += cu) {
@@ -222,6 +227,8 @@ void kvs_qup_tile(int amx, int type, const uint8_t *tile, int64_t K, const qtile
         kvs_qup_unpack(type, tile + u0 * kvs_qunit_bytes(type), nuc, wb, !amx);
         const int first = u0 == 0, last = u0 + nuc == nu;
         for (int64_t m = m0; m < m0 + rows; m += 16) {
+            for (int64_t end = fetched + slice < next_bytes ? fetched + slice : next_bytes; fetched < end; fetched += 64)
+                _mm_prefetch((const char *)next + fetched, _MM_HINT_T1);
             const int64_t n = m0 + rows - m < 16 ? m0 + rows - m : 16;
             float *yr = y + (m - m0) * ldy, *pr = part + (m - m0) * 16;
             if (amx)
