@@ -142,7 +142,8 @@ static inline __attribute__((always_inline)) void epilogue_q6(__m512 *acc, const
 static inline __attribute__((always_inline)) void rows16(const int type, const uint8_t *wb, int64_t nb,
                                                         const int8_t *qx, const float *dxt, const float *dxst,
                                                         float *part, int first, int last, float *y,
-                                                        int64_t ldy, int64_t rows, int64_t ncols) {
+                                                        int64_t ldy, int64_t rows, int64_t ncols,
+                                                        const uint8_t *pf, int64_t pf_lines) {
     __m512 acc[16];
     for (int r = 0; r < 16; r++) acc[r] = first ? _mm512_setzero_ps() : _mm512_load_ps(part + 16 * r);
     int32_t cb[4][256] __attribute__((aligned(64)));
@@ -163,8 +164,11 @@ static inline __attribute__((always_inline)) void rows16(const int type, const u
         _tile_stored(c0, cb[c0], 64);                                                                         \
         if (q6 || 2 * (p) + 1 < nb) _tile_stored(c1, cb[c1], 64);                                            \
     } while (0)
+    const int64_t pf_step = (pf_lines + steps - 1) / steps; /* the prefetch spread over the steps */
     ISSUE(0, 1, 0, 4);
     for (int64_t p = 0; p <= steps; p++) {
+        for (int64_t i = 0; i < pf_step && pf_lines > 0; i++, pf_lines--, pf += 64)
+            _mm_prefetch((const char *)pf, _MM_HINT_T1);
         if (p < steps) {
             if ((p & 1) == 0) {
                 if (p + 1 < steps) ISSUE(2, 3, p + 1, 5);
@@ -199,10 +203,11 @@ static inline __attribute__((always_inline)) void rows16(const int type, const u
 
 /* Row tile t of one unpacked chunk (kvs_qup_tile), the type a constant in each case */
 void kvs_qamx_rows16(int type, const uint8_t *wb, int64_t nbc, const qtiles *x, int64_t t, int64_t b0, float *part,
-                     int first, int last, float *y, int64_t ldy, int64_t rows, int64_t ncols) {
+                     int first, int last, float *y, int64_t ldy, int64_t rows, int64_t ncols, const uint8_t *pf,
+                     int64_t pf_lines) {
     const int8_t *a = x->qt + (t * x->nb + b0) * 512;
     const float *d = x->dx + (t * x->nb + b0) * 16, *ds = x->dxs + (t * x->nb + b0) * 16;
-#define ROWS(T) rows16(T, wb, nbc, a, d, ds, part, first, last, y, ldy, rows, ncols)
+#define ROWS(T) rows16(T, wb, nbc, a, d, ds, part, first, last, y, ldy, rows, ncols, pf, pf_lines)
     switch (type) {
         case QT_Q4_0: ROWS(QT_Q4_0); break;
         case QT_Q4_1: ROWS(QT_Q4_1); break;

@@ -44,7 +44,8 @@ int kvs_qamx_usable(void);
 void kvs_qamx_begin(void);
 void kvs_qamx_end(void);
 void kvs_qamx_rows16(int type, const uint8_t *wb, int64_t nbc, const qtiles *x, int64_t t, int64_t b0, float *part,
-                     int first, int last, float *y, int64_t ldy, int64_t rows, int64_t ncols);
+                     int first, int last, float *y, int64_t ldy, int64_t rows, int64_t ncols, const uint8_t *pf,
+                     int64_t pf_lines);
 int64_t kvs_qamx_peak(int kind, int64_t rounds);
 
 static inline int32_t ld32(const int8_t *p) {

@@ -117,10 +117,13 @@ void kvs_qup_unpack(int type, const uint8_t *tile, int64_t nu, uint8_t *out, int
 
 /* VNNI: 8 rows (h: the first or second half of row tile t) of one chunk's blocks, into acc */
 static inline __attribute__((always_inline)) void vnni8(const int type, const uint8_t *wb, int64_t nbc,
-                                                       const qtiles *x, int64_t t, int64_t b0, int h, __m512 *acc) {
-    const int64_t ub = kvs_qup_block_bytes(type);
+                                                       const qtiles *x, int64_t t, int64_t b0, int h, __m512 *acc,
+                                                       const uint8_t *pf, int64_t pf_lines) {
+    const int64_t ub = kvs_qup_block_bytes(type), pf_step = (pf_lines + nbc - 1) / nbc;
     const int offset = type != QT_Q8_0 && type != QT_Q6_K;
     for (int64_t b = 0; b < nbc; b++) {
+        for (int64_t i = 0; i < pf_step && pf_lines > 0; i++, pf_lines--, pf += 64)
+            _mm_prefetch((const char *)pf, _MM_HINT_T1);
         const uint8_t *o = wb + b * ub;
         const int64_t i = (t * x->nb + b0 + b) * 16 + 8 * h; /* this block's scales of the 8 rows */
         const int8_t *xb = x->qt + i * 32;                     /* row r's 32 inputs at xb + 32 r */
@@ -171,19 +174,20 @@ static inline __attribute__((always_inline)) void vnni8(const int type, const ui
 
 /* Row tile t (its first `rows` rows stored) of one chunk on VNNI: partial sums in part (16 x 16) between chunks */
 static void vnni_rows16(int type, const uint8_t *wb, int64_t nbc, const qtiles *x, int64_t t, int64_t b0,
-                        float *part, int first, int last, float *y, int64_t ldy, int64_t rows, int64_t ncols) {
+                        float *part, int first, int last, float *y, int64_t ldy, int64_t rows, int64_t ncols,
+                        const uint8_t *pf, int64_t pf_lines) {
     const __mmask16 mask = (__mmask16)(ncols >= 16 ? 0xFFFF : (1u << ncols) - 1);
     for (int h = 0; h < 2 && 8 * h < rows; h++) {
         __m512 acc[8];
         for (int r = 0; r < 8; r++) acc[r] = first ? _mm512_setzero_ps() : _mm512_load_ps(part + 16 * (8 * h + r));
         switch (type) {
-            case QT_Q4_0: vnni8(QT_Q4_0, wb, nbc, x, t, b0, h, acc); break;
-            case QT_Q4_1: vnni8(QT_Q4_1, wb, nbc, x, t, b0, h, acc); break;
-            case QT_Q5_0: vnni8(QT_Q5_0, wb, nbc, x, t, b0, h, acc); break;
-            case QT_Q8_0: vnni8(QT_Q8_0, wb, nbc, x, t, b0, h, acc); break;
-            case QT_Q4_K: vnni8(QT_Q4_K, wb, nbc, x, t, b0, h, acc); break;
-            case QT_Q5_K: vnni8(QT_Q5_K, wb, nbc, x, t, b0, h, acc); break;
-            case QT_Q6_K: vnni8(QT_Q6_K, wb, nbc, x, t, b0, h, acc); break;
+            case QT_Q4_0: vnni8(QT_Q4_0, wb, nbc, x, t, b0, h, acc, h ? NULL : pf, h ? 0 : pf_lines); break;
+            case QT_Q4_1: vnni8(QT_Q4_1, wb, nbc, x, t, b0, h, acc, h ? NULL : pf, h ? 0 : pf_lines); break;
+            case QT_Q5_0: vnni8(QT_Q5_0, wb, nbc, x, t, b0, h, acc, h ? NULL : pf, h ? 0 : pf_lines); break;
+            case QT_Q8_0: vnni8(QT_Q8_0, wb, nbc, x, t, b0, h, acc, h ? NULL : pf, h ? 0 : pf_lines); break;
+            case QT_Q4_K: vnni8(QT_Q4_K, wb, nbc, x, t, b0, h, acc, h ? NULL : pf, h ? 0 : pf_lines); break;
+            case QT_Q5_K: vnni8(QT_Q5_K, wb, nbc, x, t, b0, h, acc, h ? NULL : pf, h ? 0 : pf_lines); break;
+            case QT_Q6_K: vnni8(QT_Q6_K, wb, nbc, x, t, b0, h, acc, h ? NULL : pf, h ? 0 : pf_lines); break;
             default: return;
         }
         for (int r = 0; r < 8; r++) {
@@ -212,14 +216,15 @@ int64_t kvs_qup_work_bytes(void) { return WORK_ACC + CHUNK_MAX; }
 
 /* Rows [m0, m0 + rows) (m0 a multiple of 16, rows <= 256) of one packed tile's 16 columns, on AMX (inside
    kvs_qamx_begin / kvs_qamx_end) or VNNI. work: kvs_qup_work_bytes, 64-byte aligned. next, next_bytes: the tile
-   this thread multiplies next (or NULL), prefetched into L2 a slice per row tile, so that its unpacking does not
-   wait on memory (a decode step's weights are read from DRAM once per step). */
+   this thread multiplies next (or NULL), prefetched into L2 a few lines per block step while this one is
+   multiplied, so that its unpacking does not wait on memory (a decode step reads its weights from DRAM) and the
+   prefetches never queue up in bursts. */
 void kvs_qup_tile(int amx, int type, const uint8_t *tile, int64_t K, const qtiles *x, int64_t m0, int64_t rows,
                   float *y, int64_t ldy, int64_t ncols, uint8_t *work, const uint8_t *next, int64_t next_bytes) {
     const int64_t ue = kvs_qunit_elems(type), nu = K / ue, bpu = ue / QK, cu = chunk_units(type, nu);
-    const int64_t steps = (nu + cu - 1) / cu * ((rows + 15) / 16); /* (chunk, row tile) pairs */
-    const int64_t slice = next ? (next_bytes + steps - 1) / steps : 0;
-    int64_t fetched = 0;
+    const int64_t pieces = (nu + cu - 1) / cu * ((rows + 15) / 16); /* (chunk, row tile) pairs */
+    const int64_t lines = next ? (next_bytes + 63) / 64 : 0, per = (lines + pieces - 1) / pieces;
+    int64_t fetched = 0; /* lines of next prefetched so far */
     float *part = (float *)work;
     uint8_t *wb = work + WORK_ACC;
     for (int64_t u0 = 0; u0 < nu; u0 += cu) {
@@ -227,14 +232,15 @@ void kvs_qup_tile(int amx, int type, const uint8_t *tile, int64_t K, const qtile
         kvs_qup_unpack(type, tile + u0 * kvs_qunit_bytes(type), nuc, wb, !amx);
         const int first = u0 == 0, last = u0 + nuc == nu;
         for (int64_t m = m0; m < m0 + rows; m += 16) {
-            for (int64_t end = fetched + slice < next_bytes ? fetched + slice : next_bytes; fetched < end; fetched += 64)
-                _mm_prefetch((const char *)next + fetched, _MM_HINT_T1);
+            const int64_t pf_lines = lines - fetched < per ? lines - fetched : per;
+            const uint8_t *pf = next ? next + 64 * fetched : NULL;
+            fetched += pf_lines;
             const int64_t n = m0 + rows - m < 16 ? m0 + rows - m : 16;
             float *yr = y + (m - m0) * ldy, *pr = part + (m - m0) * 16;
             if (amx)
-                kvs_qamx_rows16(type, wb, nbc, x, m / 16, b0, pr, first, last, yr, ldy, n, ncols);
+                kvs_qamx_rows16(type, wb, nbc, x, m / 16, b0, pr, first, last, yr, ldy, n, ncols, pf, pf_lines);
             else
-                vnni_rows16(type, wb, nbc, x, m / 16, b0, pr, first, last, yr, ldy, n, ncols);
+                vnni_rows16(type, wb, nbc, x, m / 16, b0, pr, first, last, yr, ldy, n, ncols, pf, pf_lines);
         }
     }
 }
