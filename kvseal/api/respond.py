@@ -185,7 +185,13 @@ async def stream(request: Request, fan: Fanout, fmt: StreamFormat) -> Any:
                     return
                 out = fmt.delta(i, d)
                 if d.final is not None:
-                    await fmt.settle()
+                    try:
+                        await fmt.settle()
+                    except KvsealError as err:  # e.g. the answer could not be stored (the shared state is down)
+                        trace.failed(err.code, err.message, d.stage, d.worker)
+                        trace.stream_error = True
+                        yield fmt.error(err)
+                        return
                 for e in out:
                     yield e
                 if d.final is not None:

@@ -24,7 +24,7 @@ from kvseal.transfer.manifest import KVManifest, PagePayload, build_manifest
 from kvseal.transfer.zmq_wire import TransferHeader, TransferReply
 from kvseal.wire import protocol as P
 from kvseal.wire.kvspec import KVSpec
-from kvseal.wire.messages import GenerateRequest, SamplingParams
+from kvseal.wire.messages import GenerateDelta, GenerateRequest, SamplingParams
 from kvseal.wire.reservation import Reservation
 from tests.helpers.cards import CARD
 from tests.helpers.fleet import LoopbackFleet, module_fleet
@@ -179,8 +179,7 @@ def control_messages(kv: str) -> st.SearchStrategy[P.Message]:
         st.builds(P.ReleaseReq, request_id=rids, error=errors, rejected=st.booleans()),
         st.builds(P.RenewReq, request_id=rids),
         st.builds(P.AbortReq, request_id=rids, error=errors),
-        st.builds(P.DeltaMsg, delta=st.builds(lambda r: __import__("kvseal.wire.messages").engine.messages
-                                              .GenerateDelta(r, [], ""), rids), seq=ints),
+        st.builds(P.DeltaMsg, delta=st.builds(lambda r: GenerateDelta(r, [], ""), rids), seq=ints),
         st.builds(P.InfoResp, call_id=cid, card=st.just(CARD), draining=st.booleans(), figures=st.just({})),
         st.builds(P.JoinReq, call_id=cid, role=st.text(max_size=8), endpoint=st.text(max_size=8)),
         st.builds(P.DrainResp, call_id=cid, inflight=ints),
