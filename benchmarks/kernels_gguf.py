@@ -3,14 +3,16 @@ this machine's limits.
 
     python -m benchmarks.kernels_gguf --model ~/.cache/kvseal/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 
-1. This machine: streaming read bandwidth (torch sum of 1 GB, every thread), one core's issue rate of the
-   AVX2 int8 multiply-add (vpmaddubsw, 32 int8 products) and of vfmadd231ps (8 float32), times the threads.
+1. This machine: streaming read bandwidth (torch sum of 1 GB, every thread), one core's peak of the int8
+   multiply-add (512-bit vpdpbusd where the CPU has AVX-512-VNNI, else 256-bit vpmaddubsw), of the AMX int8 tile
+   product where the CPU has AMX (benchmarks.limits.peak_rates), and of vfmadd231ps (float32), times the threads.
 2. Correctness on the file's blocks: per block type, a slice of a real tensor dequantized equals gguf-py's
    bit for bit, and the exact and fast products agree with a float64 product (relative error).
 3. One decode token (M = 1): every layer's q|k|v, o, gate|up and down (fused as the model runs them, mixed types
    as row segments) and the lm_head, in order: ms per token and GB/s of weights streamed, for the fast arithmetic
    (repacked tiles) and the exact one (GGUF rows dequantized in registers), against the read bandwidth.
-4. M = 32..512 rows: G multiply-adds per second of the fast arithmetic over --layers layers, against the peak.
+4. M = 1..512 rows: G multiply-adds per second of the fast arithmetic over --layers layers, per matrix (q|k|v,
+   o, gate|up, down) and in all, against the int8 vector peak (and the AMX tile peak where there is one).
 5. Mixed types: q|k|v (q, k Q4_K; v Q6_K in half the layers) as one fused call against one call per matrix.
 Medians of --repeat runs. --cpu-time times with the process's CPU time instead of the wall clock: on a machine
 shared with other work, with --threads 1, it gives what one core does (memory stalls count; time spent
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from benchmarks import cpu_record
+from benchmarks.limits import peak_rates
 from kvseal.kernels import ops
 from kvseal.kernels.weights import BLOCKS, TYPE_NAMES, PackedWeight, QWeight, fuse_rows
 
@@ -54,15 +57,6 @@ def median_s(f: Callable[[], object], n: int) -> float:
 def read_bandwidth(repeat: int) -> float:
     x = torch.ones(256 * 2**20)  # 1 GB: far past the caches
     return x.numel() * 4 / median_s(x.sum, repeat) / 1e9
-
-
-def issue_rate(kind: int) -> float:
-    best = 0.0
-    for _ in range(3):
-        t = time.thread_time()
-        n = ops.lib().kvs_peak_issue(kind, 3_000_000)
-        best = max(best, n / (time.thread_time() - t))
-    return best
 
 
 def packed(t: Any) -> PackedWeight:
@@ -104,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a GGUF file")
     p.add_argument("--layers", type=int, default=4, help="layers for the M = 32..512 rates")
-    p.add_argument("--rows", default="1,32,128,512")
+    p.add_argument("--rows", default="1,8,16,32,128,512")
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cpu-time", action="store_true", help="time with process CPU time (use with --threads 1)")
@@ -120,11 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"cpu": cpu_record.collect(), "model": Path(a.model).name, "threads": threads,
                            "isa": ops.qisa(), "clock": "process CPU time" if a.cpu_time else "wall"}
     res["read_GBps"] = bw = read_bandwidth(a.repeat)
-    res["int8_peak_GMACs"] = peak = issue_rate(3) * 32 * threads / 1e9
-    res["fp32_peak_GMACs"] = issue_rate(4) * 8 * threads / 1e9
+    rates = peak_rates()
+    int8_name = next(n for n in ("512-bit int8 vpdpbusd", "256-bit int8 vpmaddubsw") if n in rates)
+    res["int8_peak_GMACs"] = peak = rates[int8_name] * threads / 1e9
+    res["int8_peak_instruction"] = int8_name
+    amx = rates.get("AMX int8 tdpbssd (16x16x64)")
+    res["amx_int8_peak_GMACs"] = amx_peak = amx * threads / 1e9 if amx else None
+    res["fp32_peak_GMACs"] = max(rates.get(n, 0.0) for n in ("512-bit fp32 vfmadd231ps", "256-bit fp32 vfmadd231ps")
+                                 ) * threads / 1e9
     print(f"{cpu_record.header(res['cpu'])}; {threads} threads; fast arithmetic on {res['isa']}; {res['clock']}")
-    print(f"read bandwidth {bw:.1f} GB/s; peak int8 (vpmaddubsw) {peak:.0f} G MAC/s, fp32 FMA "
-          f"{res['fp32_peak_GMACs']:.0f} G MAC/s ({threads} cores at one core's issue rate)")
+    print(f"read bandwidth {bw:.1f} GB/s; peak int8 ({int8_name}) {peak:.0f} G MAC/s"
+          + (f", AMX int8 tiles {amx_peak:.0f} G MAC/s" if amx_peak else ", no AMX")
+          + f" ({threads} cores at one core's issue rate)")
 
     reader = gguf.GGUFReader(a.model)
     tensors = {t.name: t for t in reader.tensors}
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {c['type']:5} ({c['tensor']}): dequantization bit-exact vs gguf-py: {c['dequant_bit_exact']}; "
               f"relative error vs float64: exact {c['exact_rel_err']:.1e}, fast {c['fast_rel_err']:.1e}")
 
-    nl = int(gguf_field(reader, "block_count"))
+    nl = int(gguf_field(a.model, "block_count"))
     ws = layer_weights(tensors, range(nl))
     head = packed(tensors["output.weight" if "output.weight" in tensors else "token_embd.weight"])
     fast = [[QWeight.pack(*parts) for parts in layer] for layer in ws]
@@ -162,14 +163,22 @@ def main(argv: list[str] | None = None) -> int:
               f"the read bandwidth; at the bandwidth: {nbytes / bw / 1e6:.1f} ms)")
 
     sub = min(a.layers, nl)
-    sub_macs = sum(q.n * q.k for layer in fast[:sub] for q in layer)
-    print(f"\nfast arithmetic, {sub} layers, G multiply-adds/s (vs int8 peak {peak:.0f}):")
+    names = ("q|k|v", "o", "gate|up", "down")
+    mat_macs = [sum(layer[j].n * layer[j].k for layer in fast[:sub]) for j in range(4)]
+    print(f"\nfast arithmetic, {sub} layers, G multiply-adds/s per matrix and in all, % of the int8 peak "
+          f"{peak:.0f}" + (f" (in all: and of the AMX peak {amx_peak:.0f})" if amx_peak else "") + ":")
+    print(f"  {'M':>5}  " + "  ".join(f"{n:>14}" for n in (*names, "all")))
     res["rates"] = {}
     for m in (int(r) for r in a.rows.split(",")):
-        t = median_s(lambda: token("fast", m, sub), max(3, a.repeat // 2))  # noqa: B023 - used at once
-        rate = sub_macs * m / t / 1e9
-        res["rates"][m] = rate
-        print(f"  M = {m:4}: {rate:6.1f} G MAC/s ({rate / peak:.0%} of peak), {t / sub * 1e3:.2f} ms/layer")
+        reps = max(3, a.repeat // 2)
+        ts = [median_s(lambda: [ops.qlinear(xs[layer[j].k][:m], layer[j]) for layer in fast[:sub]], reps)  # noqa: B023
+              for j in range(4)]
+        rates_m = [mat_macs[j] * m / ts[j] / 1e9 for j in range(4)]
+        total = sum(mat_macs) * m / sum(ts) / 1e9
+        res["rates"][m] = {**dict(zip(names, rates_m, strict=True)), "all": total}
+        cells = [f"{r:6.1f} ({r / peak:4.0%})" for r in (*rates_m, total)]
+        print(f"  {m:>5}  " + "  ".join(f"{c:>14}" for c in cells)
+              + (f"  AMX {total / amx_peak:.0%}" if amx_peak else ""))
 
     print("\nq|k|v fused (one call, row segments of mixed types) vs one call per matrix, all layers:")
     res["fused"] = {}
@@ -187,12 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def gguf_field(reader: gguf.GGUFReader, suffix: str) -> Any:
-    """The first metadata value whose key ends with suffix (e.g. block_count under the file's architecture)."""
-    from kvseal.model.gguf_tokenizer import gguf_field as field
+def gguf_field(path: str, suffix: str) -> Any:
+    """A metadata value under the file's architecture (e.g. block_count), read by kvseal's own GGUF parser."""
+    from kvseal.model.gguf_file import GGUFFile
 
-    arch = field(reader, "general.architecture")
-    return field(reader, f"{arch}.{suffix}")
+    f = GGUFFile(path)
+    return f.field(f"{f.field('general.architecture')}.{suffix}")
 
 
 if __name__ == "__main__":

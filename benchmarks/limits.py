@@ -3,7 +3,9 @@
     python -m benchmarks.limits [--threads 2]
 
 Streaming read bandwidth (sum of a 512 MB fp32 tensor), fp32 matrix-vector products over ~530 MB of weights
-in SmolLM2-135M's layer shape (what one decode stream reads per step), fp32 / bf16 GEMM rate, and every layer
+in SmolLM2-135M's layer shape (what one decode stream reads per step), fp32 / bf16 GEMM rate, one core's peak of
+each multiply-add instruction the CPU has (512-bit vpdpbusd / vfmadd231ps / vdpbf16ps, 256-bit vpmaddubsw, AMX
+int8 and bf16 tile products where the CPU has them and the OS grants them), and every layer
 matrix of the bundled model multiplied by M rows three ways: the fast arithmetic's int8 products on the Q4_1
 blocks, torch's bf16 GEMM (oneDNN; AMX or AVX-512-BF16 where the CPU has them) on a bf16 copy, and fp32.
 Medians of 7.
@@ -36,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    from benchmarks import cpu_record
+
+    print(cpu_record.header(cpu_record.collect()))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     x = torch.ones(128 * 2**20)  # 512 MB
@@ -54,21 +59,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def instruction_peaks() -> None:
-    """One core's issue rate of the three multiply-add instructions (12 independent ones in a loop)."""
+# (kvs_peak_issue kind, name, multiply-adds per instruction): 512-bit vector instructions, then AMX tiles
+PEAKS = ((0, "512-bit int8 vpdpbusd", 64), (1, "512-bit fp32 vfmadd231ps", 16), (2, "512-bit bf16 vdpbf16ps", 32),
+         (3, "256-bit int8 vpmaddubsw", 32), (4, "256-bit fp32 vfmadd231ps", 8),
+         (5, "AMX int8 tdpbssd (16x16x64)", 16384), (6, "AMX bf16 tdpbf16ps (16x16x32)", 8192))
+
+
+def peak_rates(rounds: int = 2_000_000) -> dict[str, float]:
+    """One core's multiply-adds a second per instruction of PEAKS this CPU has (best of 3, thread CPU time)."""
     from kvseal.kernels.weights import lib
 
-    for kind, name, macs in ((0, "int8 vpdpbusd", 64), (1, "fp32 vfmadd231ps", 16), (2, "bf16 vdpbf16ps", 32)):
+    out = {}
+    for kind, name, macs in PEAKS:
         if lib().kvs_peak_issue(kind, 1) < 0:
-            print(f"{name}: not on this CPU")
             continue
+        n_rounds = rounds if kind < 5 else rounds // 200  # a tile product takes ~16 cycles
         best = 0.0
         for _ in range(3):
             t = time.thread_time()
-            n = lib().kvs_peak_issue(kind, 5_000_000)
+            n = lib().kvs_peak_issue(kind, n_rounds)
             best = max(best, n / (time.thread_time() - t))
-        print(f"one core, 512-bit {name}: {best / 1e9:.2f} G instructions/s = "
-              f"{best * macs / 1e9:.0f} G multiply-adds/s")
+        out[name] = best * macs
+    return out
+
+
+def instruction_peaks() -> None:
+    """One core's issue rate of the multiply-add instructions (12 independent ones in a loop; AMX: 4 tiles)."""
+    rates = peak_rates()
+    for _, name, _ in PEAKS:
+        print(f"one core, {name}: " + (f"{rates[name] / 1e9:.0f} G multiply-adds/s" if name in rates
+                                         else "not on this CPU (or AMX not granted to this process)"))
 
 
 def model_products(rows: tuple[int, ...] = (1, 8, 32, 128, 512)) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def opt(default: Any, help: str, flag: str | None = None, **argparse: Any) -> Any:
+def opt(default: Any, help: str | None, flag: str | None = None, **argparse: Any) -> Any:
     """A config field that is a command-line flag: `help` is its --help text, `flag` its name (default
     --field-name; "model" for a positional), `argparse` anything else add_argument takes (choices, metavar, action).
     """
@@ -166,6 +166,17 @@ class ServerConfig:
     text_threads_per_tenant: int = opt(0, "most of those threads one tenant's prompts may hold at once; 0: half "
                                        "of them (all of them on a server without --api-keys: one tenant)",
                                        metavar="N")
+    state: str | None = opt(None, "where tenants' limits and stored responses live: this router's memory (default), "
+                            "or redis://HOST:PORT/DB, shared by every router of the fleet (limits fail closed "
+                            "when it is unreachable)", metavar="redis://HOST:PORT/DB")
+    state_password_file: str | None = opt(None, "a file holding the Redis password (never on the command line)",
+                                          metavar="FILE")
+    state_secret_file: str | None = opt(None, "a file of at least 32 random bytes: the key that seals stored "
+                                        "responses at rest (AES-GCM, a key per tenant) and hashes the tenant "
+                                        "names in Redis; every router of the fleet reads the same one",
+                                        metavar="FILE")
+    state_lease_s: float = opt(30.0, "with --state: seconds a router's place for a request in flight lasts "
+                               "unless renewed (a dead router's places free within it)", metavar="SECONDS")
     # (SHA-256 of a key, its tenant) from --api-keys; empty: no auth, one tenant. Digests only, never keys.
     api_keys: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)  # digests of the api keys marked `admin`
@@ -182,6 +193,12 @@ class ServerConfig:
         _need(self.max_body_bytes > 0, "max_body_bytes", self.max_body_bytes, "give a positive size")
         _need(self.tenant_body_bytes >= self.max_body_bytes, "tenant_body_bytes", self.tenant_body_bytes,
               f"give at least --max-body-bytes ({self.max_body_bytes}): one whole request must fit")
+        _need(self.state is None or self.state.startswith("redis://"), "state", self.state,
+              "give redis://HOST:PORT/DB, or leave it out to keep tenant state in this router's memory")
+        _need(self.state is None or self.state_secret_file is not None, "state_secret_file", None,
+              "with --state, give --state-secret-file FILE (the same on every router): stored responses are sealed "
+              "with it")
+        _need(1.0 <= self.state_lease_s <= 3600, "state_lease_s", self.state_lease_s, "give 1 to 3600 seconds")
         _need(0 <= self.text_threads <= 256, "text_threads", self.text_threads, "give 0 (auto) to 256 threads")
         _need(0 <= self.text_threads_per_tenant <= self.text_pool_threads, "text_threads_per_tenant",
               self.text_threads_per_tenant, f"give 0 (auto) to --text-threads ({self.text_pool_threads})")

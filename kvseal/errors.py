@@ -87,6 +87,13 @@ class Overloaded(KvsealError):
     status, type, code = 503, "server_error", "overloaded"
 
 
+class StateUnavailable(Overloaded):
+    """The shared tenant state (--state redis://...) cannot be reached: limits fail closed, stored responses are not
+    served, and the client is told to retry (503 with Retry-After), never served unlimited or another's data."""
+
+    code = "state_unavailable"
+
+
 class NoWorkerAvailable(Overloaded):
     """No worker of a role is serving: none configured is up, or every one failed the fleet check (seal 7)."""
 

@@ -7,6 +7,7 @@ router pins each worker's key (`server_keys`) and allow-lists them all (`router_
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -56,7 +57,7 @@ class Fleet:
             for _ in range(n):
                 port = _free_port()
                 eps.append(f"tcp://127.0.0.1:{port}")
-                mine = msgspec.structs.replace(spec, port=port)
+                mine = msgspec.structs.replace(spec, worker=dataclasses.replace(spec.worker, port=port))
                 if members:
                     mine = msgspec.structs.replace(mine, keys=members.pop())
                     assert mine.keys is not None

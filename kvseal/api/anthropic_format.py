@@ -105,6 +105,9 @@ class MessagesStream:
                             "usage": {"output_tokens": d.completion_tokens}}))
         return out
 
+    async def settle(self) -> None:
+        pass
+
     def closing(self, finals: list[GenerateDelta]) -> list[str]:
         return [_ev({"type": "message_stop"})]
 

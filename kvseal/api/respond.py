@@ -141,6 +141,11 @@ class StreamFormat(Protocol):
         """After every sample's final delta (finals in sample order)."""
         ...
 
+    async def settle(self) -> None:
+        """After a final delta's events are made and before they go out (the Responses API stores the answer
+        here, so a client that reads `completed` finds it stored)."""
+        ...
+
     def error(self, err: KvsealError) -> str: ...
 
 
@@ -178,7 +183,16 @@ async def stream(request: Request, fan: Fanout, fmt: StreamFormat) -> Any:
                     trace.stream_error = True
                     yield fmt.error(err)
                     return
-                for e in fmt.delta(i, d):
+                out = fmt.delta(i, d)
+                if d.final is not None:
+                    try:
+                        await fmt.settle()
+                    except KvsealError as err:  # e.g. the answer could not be stored (the shared state is down)
+                        trace.failed(err.code, err.message, d.stage, d.worker)
+                        trace.stream_error = True
+                        yield fmt.error(err)
+                        return
+                for e in out:
                     yield e
                 if d.final is not None:
                     finals[i] = d
@@ -215,6 +229,9 @@ class OpenAIStream:
                                      token_ids=d.token_ids, index=i))
         self.offsets[i] += len(d.text)
         return [out]
+
+    async def settle(self) -> None:
+        pass
 
     def closing(self, finals: list[GenerateDelta]) -> list[str]:
         use = [sse(self.builder.usage_chunk(usage_of(finals)))] if self.include_usage else []

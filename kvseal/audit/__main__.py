@@ -45,11 +45,30 @@ def add_audit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="bearer token to send (the server's API key)")
     t = p.add_argument_group("across tenants (instead of the canary audit)")
     t.add_argument("--tenant-keys", default=None, metavar="KEY_A,KEY_B",
-                   help="run the cross-tenant timing probe: tenant A sends long prompts, tenant B sends the same and "
-                        "fresh ones; B's copies served faster means a prefix cache shared across tenants (exit 1)")
-    t.add_argument("--probe-trials", type=int, default=6, help="probe: trials (each a fresh pair of prompts)")
+                   help="audit tenant isolation between two API keys (docs/audit-tenants.md): a prefix cache, stored "
+                        "responses, status pages and latency shared across keys; each probe is held, broken or "
+                        "not_applicable (exit 1 if any is broken, 2 if one could not run). Keys are never printed")
+    t.add_argument("--probes", default=None, metavar="NAME,...",
+                   help="only these tenant probes: prefix_cache, stored_responses, status_pages, noisy_neighbour "
+                        "(default: all)")
+    t.add_argument("--probe-trials", type=int, default=6, help="prefix cache: trials (each a fresh pair of prompts)")
     t.add_argument("--probe-chars", type=int, default=3000,
-                   help="probe: characters per prompt (about a quarter as many tokens; keep it inside the window)")
+                   help="prefix cache: characters per prompt (about a quarter as many tokens; keep it inside the "
+                        "window)")
+    t.add_argument("--cache-salt-per-key", action="store_true",
+                   help="prefix cache: each tenant sends a cache_salt of its own (vLLM's way to keep tenants apart)")
+    t.add_argument("--noisy-samples", type=int, default=20,
+                   help="noisy neighbour: tenant B's one-token chats, alone and again under tenant A's flood")
+    t.add_argument("--flood-concurrency", type=int, default=8, help="noisy neighbour: tenant A's requests in flight")
+    t.add_argument("--flood-chars", type=int, default=50_000,
+                   help="noisy neighbour: characters of each of tenant A's /tokenize bodies")
+    t.add_argument("--flood-chat-chars", type=int, default=4000,
+                   help="noisy neighbour: characters of each of tenant A's chats (at most half the window)")
+    t.add_argument("--flood-max-seconds", type=float, default=120.0,
+                   help="noisy neighbour: B's sampling under the flood ends after this long (or once one sample "
+                        "settles the verdict)")
+    t.add_argument("--status-paths", default="/metrics,/info,/slots",
+                   help="status pages tenant B reads for traces of tenant A")
 
 
 def base_url(url: str) -> str:
@@ -128,6 +147,29 @@ async def _audit(a: argparse.Namespace, base: str) -> int:
     return int(report["exit_code"])
 
 
+def _tenant_audit(a: argparse.Namespace, base: str) -> int:
+    from kvseal.audit.tenant_probes.common import ProbeConfig
+    from kvseal.audit.tenants import run_tenant_audit
+
+    if a.probe_trials < 2 or a.probe_chars < 100 or a.noisy_samples < 2 or a.flood_concurrency < 1 \
+            or min(a.flood_chars, a.flood_chat_chars) < 100 or a.flood_max_seconds <= 0:
+        print("kvseal audit: --probe-trials and --noisy-samples must be at least 2, --flood-concurrency at least 1, "
+              "--probe-chars, --flood-chars and --flood-chat-chars at least 100, --flood-max-seconds positive",
+              file=sys.stderr)
+        return 2
+    paths = tuple(p.strip() for p in a.status_paths.split(",") if p.strip())
+    if not paths or not all(p.startswith("/") for p in paths):
+        print("kvseal audit: --status-paths takes paths that start with /, e.g. /metrics,/info", file=sys.stderr)
+        return 2
+    config = ProbeConfig(trials=a.probe_trials, prompt_chars=a.probe_chars, cache_salt_per_key=a.cache_salt_per_key,
+                         noisy_samples=a.noisy_samples, flood_concurrency=a.flood_concurrency,
+                         flood_chars=a.flood_chars, flood_chat_chars=a.flood_chat_chars,
+                         flood_max_s=a.flood_max_seconds, status_paths=paths,
+                         timeout=a.timeout)
+    seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
+    return run_tenant_audit(base, a.model, a.tenant_keys, a.probes, config, seed, a.report)
+
+
 def run_audit(a: argparse.Namespace) -> int:
     problem = _check_args(a)
     try:
@@ -138,13 +180,7 @@ def run_audit(a: argparse.Namespace) -> int:
         print(f"kvseal audit: {problem}", file=sys.stderr)
         return 2
     if a.tenant_keys is not None:
-        from kvseal.audit.tenants import run_probe
-
-        if a.probe_trials < 2 or a.probe_chars < 100:
-            print("kvseal audit: --probe-trials must be at least 2 and --probe-chars at least 100", file=sys.stderr)
-            return 2
-        seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
-        return run_probe(base, a.model, a.tenant_keys, a.probe_chars, a.probe_trials, a.timeout, seed, a.report)
+        return _tenant_audit(a, base)
     try:
         return asyncio.run(_audit(a, base))
     except KeyboardInterrupt:

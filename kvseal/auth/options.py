@@ -28,15 +28,6 @@ def add_fleet_key_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
                    help="this process's member name in --fleet-keys (default: its role: router, prefill, decode)")
 
 
-def add_kv_channel_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-channel", default="mac", choices=["mac", "curve"],
-                   help="with fleet keys and --kv-transport zmq, how the KV pages cross (the decode worker chooses; "
-                        "prefill follows its reservations): mac: in clear, every message with an HMAC and the "
-                        "connection with a session token (the KV transfer at near full speed); curve: encrypted "
-                        "(ZeroMQ CURVE; 0.33-0.50x of the KV transfer's speed, mac 0.50-0.68x: docs/benchmarks.md). "
-                        "NIXL's offers are always encrypted; its UCX data path never is")
-
-
 def add_keys_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     keys = sub.add_parser("keys", help="write a fleet key set: one CURVE keypair per member (files 0600)",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -68,8 +59,8 @@ def member_keys(a: argparse.Namespace, role: str) -> MemberKeys | None:
 
 def peer(a: argparse.Namespace, spec: str, keys: MemberKeys | None, default_name: str | None) -> tuple[str, str | None]:
     """`[NAME@]HOST:PORT` -> (tcp endpoint, NAME's public key when this process has fleet keys)."""
-    name, at, hostport = spec.rpartition("@")
-    endpoint = hostport if "://" in hostport else f"tcp://{hostport}"
+    name, at, _ = spec.rpartition("@")
+    endpoint = peer_endpoint(spec)
     if keys is None:
         return endpoint, None
     name = name if at else (default_name or "")
@@ -79,3 +70,9 @@ def peer(a: argparse.Namespace, spec: str, keys: MemberKeys | None, default_name
     if keys.allowed_dir is None:
         raise ValueError(f"invalid peer {spec!r}: its key is looked up in --fleet-keys DIR/public; give --fleet-keys")
     return endpoint, public_key(str(Path(keys.allowed_dir).parent), name)
+
+
+def peer_endpoint(spec: str) -> str:
+    """`[NAME@]HOST:PORT` -> its tcp endpoint."""
+    hostport = spec.rpartition("@")[2]
+    return hostport if "://" in hostport else f"tcp://{hostport}"

@@ -4,9 +4,9 @@
          equals transformers' float32 reference token for token (tests/e2e/test_correctness.py).
   fast   every matrix product takes int8 activations (per 32 inputs, scale max|x| / 127) against the weights'
          own GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0, and the K-quants Q4_K, Q5_K, Q6_K with their integer sub-block
-         scales), repacked once into tiles, with integer dot products: AVX-512-VNNI, AVX-VNNI or AVX2, picked per
-         CPU, the same bits on each. Float weights (F32, F16, BF16, and every weight of a safetensors checkpoint)
-         are multiplied as they are, in float32 FMA. Attention reads
+         scales), repacked once into tiles, with integer dot products: AMX int8 tiles (from 16 rows), AVX-512-VNNI,
+         AVX-VNNI or AVX2, picked per CPU, the same bits on each. Float weights (F32, F16, BF16, and every
+         weight of a safetensors checkpoint) are multiplied as they are, in float32 FMA. Attention reads
          float32 or bfloat16 KV in place through the page tables, keys stored transposed per page. Both are
          batch invariant: a request's tokens do not depend on what shares its steps or how its prompt was
          chunked. Agreement with the exact set is measured by `python -m benchmarks.agreement`.
@@ -35,7 +35,7 @@ CHOICES = ("auto", "exact", "fast")
 class Arithmetic:
     kind: str  # "exact" | "fast"
     kernels: str  # "native" | "torch": the kernel set the exact arithmetic runs on
-    isa: str  # fast: the integer dot-product path (avx512-vnni | avx-vnni | avx2); exact: ""
+    isa: str  # fast: the integer dot-product path (amx-int8 | avx512-vnni | avx-vnni | avx2); exact: ""
     why: str  # how it was chosen, for the start-up log
 
     @property

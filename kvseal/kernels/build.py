@@ -1,6 +1,5 @@
-"""Compile kvseal's C kernels (cpu_kernels.c, dequant.c, qpack.c, qgemm.c, attention.c, forward.c, and the headers
-they include) once per source version, load them
-with ctypes.
+"""Compile kvseal's C kernels (cpu_kernels.c, dequant.c, qpack.c, qgemm.c, qunpack.c, qamx.c, peak.c,
+attention.c, forward.c, and the headers they include) once per source version, load them with ctypes.
 
 The shared library lands in $KVSEAL_CACHE_DIR (default ~/.cache/kvseal, or a per-user temp folder where that
 is not writable) under a name that carries the hash of
@@ -24,8 +23,8 @@ from pathlib import Path
 
 from kvseal.model.arch import ModelArch
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "dequant.c", "qpack.c", "qgemm.c", "attention.c",
-                                                     "forward.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "dequant.c", "qpack.c", "qgemm.c", "qunpack.c",
+                                                     "qamx.c", "peak.c", "attention.c", "forward.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("kvs.h", "qgemm.h", "qtile.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-D_ISOC11_SOURCE")
 CPU_FLAGS = ("avx2", "fma", "f16c")

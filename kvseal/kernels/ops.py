@@ -169,12 +169,13 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> to
     return y if bias is None else y + bias
 
 
-QISA_NAMES = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2"}
+QISA_NAMES = {4: "amx-int8", 3: "avx512-vnni", 2: "avx-vnni", 1: "avx2"}
 
 
 def qisa() -> str:
-    """The instruction set kvs_qlinear dispatches to on this CPU (every one gives the same bits). KVSEAL_QISA
-    (1, 2 or 3: a lower path on a CPU that has a higher one) naming a set this CPU lacks is a RuntimeError: the
+    """The instruction set kvs_qlinear dispatches to on this CPU (every one gives the same bits; amx-int8 runs
+    AMX tiles from 16 rows of x and AVX-512-VNNI below). KVSEAL_QISA (1, 2, 3 or 4: a lower path on a CPU that
+    has a higher one) naming a set this CPU lacks is a RuntimeError: the
     kernels never run it (no SIGILL), and nothing runs on another set than the one asked for without saying so."""
     refused = lib().kvs_qisa_refused()
     if refused:
@@ -187,7 +188,8 @@ def qisa() -> str:
 
 
 def qisa_available() -> list[int]:
-    """The integer instruction sets this CPU has (1 avx2, 2 avx-vnni, 3 avx512-vnni), each checked on its own."""
+    """The integer instruction sets this CPU has (1 avx2, 2 avx-vnni, 3 avx512-vnni, 4 amx-int8: AMX tiles the OS
+    grants this process), each checked on its own."""
     have = lib().kvs_qisa_have()
     return [i for i in QISA_NAMES if (have >> i) & 1][::-1]
 

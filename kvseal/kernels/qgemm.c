@@ -9,9 +9,10 @@
  *                      one quantization of x, one parallel pass over all their tiles. Float segments are multiplied
  *                      as stored by the exact kernel (kvs_gemm_ld: float32 FMA, also batch invariant).
  *  kvs_qlinear         one segment, scratch of its own.
- *  kvs_qisa            which instruction set the dispatcher picked (3 avx512-vnni, 2 avx-vnni, 1 avx2); each set
- *                      is checked on its own (kvs_qisa_have, kvs_qisa_pick), and KVSEAL_QISA naming one the CPU
- *                      lacks is refused (kvs_qisa_refused), never run
+ *  kvs_qisa            which instruction set the dispatcher picked (4 amx-int8: AMX tiles from AMX_FROM_ROWS rows
+ *                      of x, AVX-512-VNNI below; 3 avx512-vnni, 2 avx-vnni, 1 avx2); each set is checked on its own
+ *                      (kvs_qisa_have, kvs_qisa_pick), and KVSEAL_QISA naming one the CPU lacks is refused
+ *                      (kvs_qisa_refused), never run
  *
  * Invariant (batch invariance): an element y[m, n] is computed by one thread, from row m of x and column n of
  * W only, with the same float operations in the same order whatever M is, whichever rows share the call, and
@@ -29,6 +30,12 @@
 #ifndef MR512
 #define MR512 8 /* rows of x per micro-kernel call: 512-bit paths (32 registers) */
 #endif
+#ifndef AMX_FROM_ROWS
+#define AMX_FROM_ROWS 16 /* rows of x from which the AMX path runs (below: AVX-512-VNNI, the same bits) */
+#endif
+/* Rows of x from which AVX-512-VNNI multiplies unpacked tiles (qunpack.c) rather than unpacking in registers per
+   group of rows (qtile.h), by block type (measured on Sapphire Rapids: Q6_K's in-register unpacking costs more) */
+static int64_t unpack_from(int type) { return type == QT_Q6_K || type == QT_Q5_K ? 8 : 24; }
 #define MR256 6 /* 256-bit paths (16 registers): 6 rows for the 4/5-bit types, 4 for Q6_K and Q8_0 (measured:
                    their extra weight registers make 6 rows spill) */
 
@@ -219,28 +226,30 @@ static void quantize_row(const float *x, int64_t K, int8_t *qx, float *dx, int32
 #pragma GCC pop_options
 
 /* The integer instruction sets this CPU has, as a mask: bit 1 AVX2 (the library's baseline), bit 2 AVX-VNNI, bit 3
-   AVX-512-VNNI (with the F, BW and VL parts the AVX-512 tiles use). They are independent features, not a ladder:
-   Zen 4, Ice Lake and Cascade Lake have AVX-512-VNNI but no AVX-VNNI; Alder Lake has AVX-VNNI but no AVX-512. */
+   AVX-512-VNNI (with the F, BW and VL parts the AVX-512 tiles use), bit 4 AMX-INT8 (with AVX-512-VNNI, tile state
+   saved by the OS and granted to this process: qamx.c). They are independent features, not a ladder: Zen 4, Ice
+   Lake and Cascade Lake have AVX-512-VNNI but no AVX-VNNI; Alder Lake has AVX-VNNI but no AVX-512. */
 int kvs_qisa_have(void) {
     __builtin_cpu_init();
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    return (avx2 << 1) | ((avx2 && __builtin_cpu_supports("avxvnni")) << 2) | (avx512 << 3);
+    return (avx2 << 1) | ((avx2 && __builtin_cpu_supports("avxvnni")) << 2) | (avx512 << 3) |
+           ((avx512 && kvs_qamx_usable()) << 4);
 }
 
 /* The set to run for a CPU with sets `have` (kvs_qisa_have's mask) when `forced` (KVSEAL_QISA; 0: none) asks for
    one: the forced one only if the CPU has it, else the best it has. Each set is checked on its own. */
 int kvs_qisa_pick(int have, int forced) {
-    if (forced >= 1 && forced <= 3 && ((have >> forced) & 1)) return forced;
-    return (have >> 3) & 1 ? 3 : (have >> 2) & 1 ? 2 : 1;
+    if (forced >= 1 && forced <= 4 && ((have >> forced) & 1)) return forced;
+    return (have >> 4) & 1 ? 4 : (have >> 3) & 1 ? 3 : (have >> 2) & 1 ? 2 : 1;
 }
 
 static int qisa_forced(void) { /* KVSEAL_QISA (tests: a lower path on a CPU that has a higher one); 0: unset,
-                                  -1: not one of 1, 2, 3 */
+                                  -1: not one of 1, 2, 3, 4 */
     const char *force = getenv("KVSEAL_QISA");
     if (!force || !*force) return 0;
-    return (force[0] >= '1' && force[0] <= '3' && !force[1]) ? force[0] - '0' : -1;
+    return (force[0] >= '1' && force[0] <= '4' && !force[1]) ? force[0] - '0' : -1;
 }
 
 static int chosen_isa(void) {
@@ -258,16 +267,56 @@ int kvs_qisa_refused(void) {
     return forced != 0 && forced != chosen_isa() ? forced : 0;
 }
 
-/* Bytes of scratch kvs_qlinear_mat needs for M rows of K inputs: the int8 rows and their block sums and scales. */
-int64_t kvs_qscratch_bytes(int64_t M, int64_t K) { return M * K + M * (K / QK) * 20; }
+/* Rows of x in the unpacked paths' layout: whole row tiles of 16 (the padding rows are zero). */
+static int64_t padded_rows(int64_t M) { return (M + 15) / 16 * 16; }
+
+/* Bytes of scratch kvs_qlinear_mat needs for M rows of K inputs: the int8 rows and their block sums and scales,
+   row by row (qtile.h), and again per row tile (the unpacked paths: qtiles). */
+int64_t kvs_qscratch_bytes(int64_t M, int64_t K) {
+    return M * K + M * (K / QK) * 20 + padded_rows(M) * K + padded_rows(M) * (K / QK) * 20;
+}
 
 static int is_float(int type) { return type == QT_F32 || type == QT_F16 || type == QT_BF16; }
+
+/* The unpacked paths' rows per pass over the tiles: x's int8 rows of one pass stay in this core's L2 (about 1 MB)
+   while every tile is multiplied by them. */
+static int64_t pass_rows(int64_t K) {
+    int64_t r = (1 << 20) / K / 16 * 16;
+    return r < 32 ? 32 : r > 256 ? 256 : r;
+}
+
+/* One thread's work area for the unpacked paths (kvs_qup_work_bytes), kept between calls. */
+static _Thread_local uint8_t *up_work;
+
+static uint8_t *work_area(void) {
+    if (!up_work) up_work = aligned_alloc(64, (size_t)((kvs_qup_work_bytes() + 63) / 64 * 64));
+    return up_work;
+}
+
+typedef struct {
+    const kvs_mat *mat;
+    const int64_t *tile0; /* first tile of each segment in the pass */
+    int64_t K;
+} tiles;
+
+/* tile t of the pass -> its segment's type, packed data, units, output columns and their count */
+static const uint8_t *tile_at(const tiles *ts, int64_t t, int *type, int64_t *nu, int64_t *col, int64_t *ncols) {
+    int s = 0;
+    int64_t c0 = 0;
+    while (t >= ts->tile0[s + 1]) c0 += ts->mat->rows[s++];
+    *type = ts->mat->type[s];
+    const int64_t lt = t - ts->tile0[s];
+    *nu = ts->K / kvs_qunit_elems(*type);
+    *col = c0 + lt * NT;
+    *ncols = ts->mat->rows[s] - lt * NT < NT ? ts->mat->rows[s] - lt * NT : NT;
+    return ts->mat->data[s] + lt * *nu * kvs_qunit_bytes(*type);
+}
 
 /* y (M, N) = x (M, K) @ W^T, N the rows of all segments, with caller-owned scratch (kvs_qscratch_bytes).
    Threads split the tiles of every quantized segment in one pass (never K). */
 int kvs_qlinear_mat(const kvs_mat *mat, int64_t K, const float *x, int64_t M, float *y, void *scratch) {
     if (mat->nseg < 1 || mat->nseg > KVS_MAXSEG || M <= 0) return -1;
-    const int64_t N = kvs_mat_rows(mat), nb = K / QK;
+    const int64_t N = kvs_mat_rows(mat), nb = K / QK, M16 = padded_rows(M);
     int64_t tile0[KVS_MAXSEG + 1] = {0}; /* first tile of each segment in the pass; float segments have none */
     for (int s = 0; s < mat->nseg; s++) {
         if (mat->rows[s] <= 0 || kvs_qpacked_bytes(mat->type[s], mat->rows[s], K) < 0) return -1;
@@ -278,25 +327,58 @@ int kvs_qlinear_mat(const kvs_mat *mat, int64_t K, const float *x, int64_t M, fl
         int8_t *qx = (int8_t *)scratch;
         float *dx = (float *)(qx + M * K), *dxs = dx + M * nb;
         int32_t *sx = (int32_t *)(dxs + M * nb), *bs32 = sx + M * nb;
+        int8_t *qt = (int8_t *)(bs32 + 2 * M * nb);
+        float *dxt = (float *)(qt + M16 * K), *dxst = dxt + M16 * nb;
+        int32_t *sx128 = (int32_t *)(dxst + M16 * nb), *bslo = sx128 + M16 * nb, *bshi = bslo + M16 * nb;
 #pragma omp parallel for schedule(static) if (M * K > 16384)
         for (int64_t m = 0; m < M; m++)
             quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb, dxs + m * nb, bs32 + 2 * m * nb);
         const qrows xr = {qx, dx, dxs, sx, bs32};
         const int isa = chosen_isa();
-        const tile_fn fn = isa == 3 ? tile_avx512 : isa == 2 ? tile_avxvnni : tile_avx2;
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < ntiles; t++) {
-            int s = 0;
-            int64_t c0 = 0;
-            while (t >= tile0[s + 1]) c0 += mat->rows[s++];
-            const int type = mat->type[s];
-            const int64_t lt = t - tile0[s], nu = K / kvs_qunit_elems(type);
-            const uint8_t *tile = mat->data[s] + lt * nu * kvs_qunit_bytes(type);
-            const int64_t ncols = mat->rows[s] - lt * NT < NT ? mat->rows[s] - lt * NT : NT;
-            float *yt = y + c0 + lt * NT;
-            const int64_t mr = isa == 3 ? MR512 : type == QT_Q6_K || type == QT_Q8_0 ? 4 : MR256;
-            for (int64_t m = 0; m < M; m += mr) fn(type, tile, nu, &xr, K, m, M - m < mr ? M - m : mr, yt + m * N, N, ncols);
+        const tiles ts = {mat, tile0, K};
+        const int amx = isa == 4 && M >= AMX_FROM_ROWS;
+        int unpacked = amx; /* does any tile run on unpacked tiles */
+        for (int s = 0; s < mat->nseg; s++) unpacked |= isa >= 3 && !is_float(mat->type[s]) && M >= unpack_from(mat->type[s]);
+        const qtiles xt = {qt, dxt, dxst, sx128, bslo, bshi, nb};
+        if (unpacked) kvs_qup_rows(&xr, M, K, qt, dxt, dxst, sx128, bslo, bshi);
+        const int64_t pass = unpacked ? pass_rows(K) : M;
+        const tile_fn fn = isa >= 3 ? tile_avx512 : isa == 2 ? tile_avxvnni : tile_avx2;
+        int failed = 0;
+#pragma omp parallel reduction(| : failed)
+        {
+            if (amx) kvs_qamx_begin();
+            for (int64_t m0 = 0; m0 < M; m0 += pass) {
+                const int64_t rows = M - m0 < pass ? M - m0 : pass;
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < ntiles; t++) {
+                    int type;
+                    int64_t nu, col, ncols;
+                    const uint8_t *tile = tile_at(&ts, t, &type, &nu, &col, &ncols);
+                    float *yt = y + m0 * N + col;
+                    if (amx || (isa >= 3 && M >= unpack_from(type))) {
+                        uint8_t *work = work_area();
+                        const uint8_t *next = NULL;
+                        int64_t next_bytes = 0;
+                        if (t + 1 < ntiles) {
+                            int nt;
+                            int64_t nnu, ncol, nnc;
+                            next = tile_at(&ts, t + 1, &nt, &nnu, &ncol, &nnc);
+                            next_bytes = nnu * kvs_qunit_bytes(nt);
+                        }
+                        if (work)
+                            kvs_qup_tile(amx, type, tile, K, &xt, m0, rows, yt, N, ncols, work, next, next_bytes);
+                        else
+                            failed = 1;
+                        continue;
+                    }
+                    const int64_t mr = isa >= 3 ? MR512 : type == QT_Q6_K || type == QT_Q8_0 ? 4 : MR256;
+                    for (int64_t m = 0; m < rows; m += mr)
+                        fn(type, tile, nu, &xr, K, m0 + m, rows - m < mr ? rows - m : mr, yt + m * N, N, ncols);
+                }
+            }
+            if (amx) kvs_qamx_end();
         }
+        if (failed) return -4;
     }
     int64_t c0 = 0;
     for (int s = 0; s < mat->nseg; c0 += mat->rows[s], s++)
@@ -317,55 +399,3 @@ int kvs_qlinear(int type, const uint8_t *packed, int64_t N, int64_t K, const flo
     free(scratch);
     return rc;
 }
-
-/* ---- this core's peak rate of one instruction, for bench.limits (how far the kernels are from the machine) --- */
-#define PEAK12(op)                                                                                              \
-    op " %%zmm0, %%zmm1, %%zmm2\n\t" op " %%zmm0, %%zmm1, %%zmm3\n\t" op " %%zmm0, %%zmm1, %%zmm4\n\t"          \
-    op " %%zmm0, %%zmm1, %%zmm5\n\t" op " %%zmm0, %%zmm1, %%zmm6\n\t" op " %%zmm0, %%zmm1, %%zmm7\n\t"          \
-    op " %%zmm0, %%zmm1, %%zmm8\n\t" op " %%zmm0, %%zmm1, %%zmm9\n\t" op " %%zmm0, %%zmm1, %%zmm10\n\t"         \
-    op " %%zmm0, %%zmm1, %%zmm11\n\t" op " %%zmm0, %%zmm1, %%zmm12\n\t" op " %%zmm0, %%zmm1, %%zmm13\n\t"
-#define PEAK_CLOBBER "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13"
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512vnni,avx512bf16")
-/* 12 independent 512-bit instructions per round, `rounds` times: kind 0 vpdpbusd (64 int8 multiply-adds each),
-   1 vfmadd231ps (16 float32), 2 vdpbf16ps (32 bfloat16); 256-bit: 3 vpmaddubsw (32 int8 multiply-adds, the AVX2
-   path's), 4 vfmadd231ps (8 float32). Returns instructions issued (the caller times it); -1 when this CPU lacks
-   the instruction. */
-static int64_t peak_issue_avx2(int kind, int64_t rounds);
-
-int64_t kvs_peak_issue(int kind, int64_t rounds) {
-    if (kind >= 3) return peak_issue_avx2(kind, rounds);
-    if (!__builtin_cpu_supports("avx512f") || (kind == 0 && !__builtin_cpu_supports("avx512vnni")) ||
-        (kind == 2 && !__builtin_cpu_supports("avx512bf16")))
-        return -1;
-    for (int64_t k = 0; k < rounds; k++) {
-        if (kind == 0)
-            __asm__ volatile(PEAK12("vpdpbusd")::: PEAK_CLOBBER);
-        else if (kind == 1)
-            __asm__ volatile(PEAK12("vfmadd231ps")::: PEAK_CLOBBER);
-        else
-            __asm__ volatile(PEAK12("vdpbf16ps")::: PEAK_CLOBBER);
-    }
-    return 12 * rounds;
-}
-#pragma GCC pop_options
-
-#define PEAK12Y(op)                                                                                             \
-    op " %%ymm0, %%ymm1, %%ymm2\n\t" op " %%ymm0, %%ymm1, %%ymm3\n\t" op " %%ymm0, %%ymm1, %%ymm4\n\t"          \
-    op " %%ymm0, %%ymm1, %%ymm5\n\t" op " %%ymm0, %%ymm1, %%ymm6\n\t" op " %%ymm0, %%ymm1, %%ymm7\n\t"          \
-    op " %%ymm0, %%ymm1, %%ymm8\n\t" op " %%ymm0, %%ymm1, %%ymm9\n\t" op " %%ymm0, %%ymm1, %%ymm10\n\t"         \
-    op " %%ymm0, %%ymm1, %%ymm11\n\t" op " %%ymm0, %%ymm1, %%ymm12\n\t" op " %%ymm0, %%ymm1, %%ymm13\n\t"
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-static int64_t peak_issue_avx2(int kind, int64_t rounds) {
-    if (kind > 4) return -1;
-    __asm__ volatile("vpxor %%ymm0, %%ymm0, %%ymm0\n\tvpxor %%ymm1, %%ymm1, %%ymm1" ::: "xmm0", "xmm1");
-    for (int64_t k = 0; k < rounds; k++) {
-        if (kind == 3) /* independent: each writes its own register (vpmaddubsw does not accumulate) */
-            __asm__ volatile(PEAK12Y("vpmaddubsw")::: PEAK_CLOBBER);
-        else
-            __asm__ volatile(PEAK12Y("vfmadd231ps")::: PEAK_CLOBBER);
-    }
-    return 12 * rounds;
-}
-#pragma GCC pop_options

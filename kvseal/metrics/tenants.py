@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvseal.config import TenantPolicy
-from kvseal.tenancy.limits import RateLimiter
+from kvseal.tenancy.state import Limits
 
 TTFT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
@@ -40,7 +40,7 @@ class TenantCounters:
 class LimitsCollector(Collector):
     """The router's limits and the tenants file's weights, read at scrape time."""
 
-    def __init__(self, limiter: RateLimiter, policies: dict[str, TenantPolicy]) -> None:
+    def __init__(self, limiter: Limits, policies: dict[str, TenantPolicy]) -> None:
         self.limiter, self.policies = limiter, policies
 
     def collect(self) -> Iterator[Any]:

@@ -190,9 +190,10 @@ class DisaggBackend:
             call_id=req.call_id, accepted=accepted, reason=reason, context_window=self.context_window))])
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks, self._tasks = self._tasks, []  # a router starts twice (the start-up probe, then uvicorn's loop):
+        for t in tasks:  # the second stop must not gather the first loop's tasks (it is closed by then)
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for w in self.prefills + self.decodes:
             await w.close()
         if self._fleet_sock is not None:

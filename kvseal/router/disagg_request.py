@@ -22,11 +22,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from kvseal.config_fleet import HandoffTimeouts
 from kvseal.errors import (
     ErrorInfo,
     KvsealError,
@@ -46,13 +46,6 @@ from kvseal.wire.reservation import Reservation
 log = logging.getLogger("kvseal.router")
 PICK_ATTEMPTS = 4  # a decode worker that started draining after it was picked: pick another
 _HANDOFF = (State.TRANSFERRING, State.VERIFIED, State.DECODING)  # the router's states after PREFILLING
-
-
-@dataclass(frozen=True)
-class HandoffTimeouts:
-    handoff_s: float = 600.0  # a started handoff's first delta is due within this
-    stall_s: float = 120.0  # later deltas within this of each other
-    renew_every_s: float = 10.0  # at most this, and at most a quarter of decode's reservation timeout
 
 
 DEFAULT_TIMEOUTS = HandoffTimeouts()

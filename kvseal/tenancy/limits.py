@@ -50,6 +50,10 @@ class Lease:
     charged: int = 0  # tokens taken from the tokens bucket
     used: int = 0  # prompt + output tokens the request actually produced so far
     released: bool = False
+    token: str = ""  # its place in flight in the shared state (tenancy/redis_limits.py); "" when it holds none
+    # the shared state's bucket levels as its last answer gave them ("requests"/"tokens" -> (level, monotonic
+    # time)): its x-ratelimit-* headers without another round trip
+    levels: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -13,15 +13,16 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvseal.api.http_errors import error_response
-from kvseal.errors import RateLimited
-from kvseal.tenancy.limits import RateLimiter
+from kvseal.errors import RateLimited, StateUnavailable
+from kvseal.tenancy.limits import Lease
+from kvseal.tenancy.state import Limits
 
 # what the server is and whether it is up: read-only, cheap, needed by health checks and clients' start-up
 STATUS_PATHS = frozenset({"/health", "/info", "/v1/models", "/version", "/metrics"})
 
 
 class RateLimits:
-    def __init__(self, app: ASGIApp, limiter: RateLimiter) -> None:
+    def __init__(self, app: ASGIApp, limiter: Limits) -> None:
         self.app, self.limiter = app, limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -33,17 +34,18 @@ class RateLimits:
 
         async def with_headers(msg: Message) -> None:
             if msg["type"] == "http.response.start":
-                extra = [(k.encode(), v.encode()) for k, v in self.limiter.headers(tenant)]
+                extra = [(k.encode(), v.encode()) for k, v in await self.limiter.headers(tenant, lease)]
                 msg = {**msg, "headers": [*msg.get("headers", []), *extra]}
             await send(msg)
 
+        lease: Lease | None = None
         try:
-            lease = self.limiter.admit(tenant)
-        except RateLimited as err:
+            lease = await self.limiter.admit(tenant)
+        except (RateLimited, StateUnavailable) as err:  # StateUnavailable: the shared state is down, fail closed
             await error_response(err)(scope, receive, with_headers)
             return
         state["rate_lease"] = lease
         try:
             await self.app(scope, receive, with_headers)
         finally:
-            self.limiter.release(lease)
+            await self.limiter.release(lease)

@@ -1,4 +1,8 @@
-"""A worker started with `--router HOST:PORT` asks that router to admit it.
+"""A worker started with `--router HOST:PORT` asks that router to admit it: every router HOST names.
+
+HOST may resolve to several addresses (a headless Service over the routers' pods, issue 34): the worker joins each
+one (`Registrations`), and resolves the name again every RESOLVE_S seconds, so a router that comes up later (a
+new replica, a restarted pod) gets it too. Each router checks it in full on its own.
 
 The router checks the worker in full (seal 7, router/registry.py) before it sends it a request: the same check as
 at the router's start and at every reconnect. A refusal carries the reason, which this worker logs before it
@@ -10,6 +14,9 @@ this worker's key is on its allow-list, and the router then connects to this wor
 from __future__ import annotations
 
 import logging
+import socket
+import time
+from urllib.parse import urlsplit
 
 import msgspec
 import zmq
@@ -21,6 +28,7 @@ from kvseal.wire.roles import Role
 
 log = logging.getLogger("kvseal.worker")
 EXIT_REFUSED = 3  # the process's exit status when the router refuses this worker
+RESOLVE_S = 10.0  # how often the router's name is resolved again (new routers join the fleet)
 
 
 class Registration:
@@ -74,3 +82,50 @@ class Registration:
             self.sock.disable_monitor()
             self.monitor.close(0)
         self.sock.close(0)
+
+
+class Registrations:
+    """A Registration per address the router's name resolves to, kept in step with the name (RESOLVE_S)."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], router: str, role: Role, endpoint: str,
+                 keys: MemberKeys | None = None, router_key: str | None = None) -> None:
+        self.ctx, self.router, self.role, self.endpoint = ctx, router, role, endpoint
+        self.keys, self.router_key = keys, router_key
+        self.joined: dict[str, Registration] = {}  # tcp://ADDRESS:PORT -> its join
+        self._resolved_at = 0.0
+
+    def start(self, poller: zmq.Poller) -> None:
+        self.tick(poller)
+
+    def tick(self, poller: zmq.Poller) -> None:
+        """Join any router address the name resolves to now that this worker has not joined yet."""
+        now = time.monotonic()
+        if now - self._resolved_at < RESOLVE_S and self.joined:
+            return
+        self._resolved_at = now
+        for address in addresses(self.router):
+            if address not in self.joined:
+                join = Registration(self.ctx, address, self.role, self.endpoint, self.keys, self.router_key)
+                join.start(poller)
+                self.joined[address] = join
+
+    def on_readable(self, sock: zmq.Socket[bytes]) -> bool:
+        return any(join.on_readable(sock) for join in self.joined.values())
+
+    def close(self) -> None:
+        for join in self.joined.values():
+            join.close()
+
+
+def addresses(router: str) -> list[str]:
+    """tcp://HOST:PORT -> tcp://ADDRESS:PORT for every IPv4 address HOST has (itself when it does not resolve:
+    ZeroMQ keeps trying it)."""
+    parts = urlsplit(router)
+    host, port = parts.hostname, parts.port
+    if host is None or port is None:
+        return [router]
+    try:
+        found = sorted({info[4][0] for info in socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)})
+    except OSError:
+        return [router]
+    return [f"tcp://{a}:{port}" for a in found] or [router]

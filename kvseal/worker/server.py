@@ -33,7 +33,7 @@ from kvseal.wire import protocol as P
 from kvseal.wire.card import WorkerCard
 from kvseal.wire.messages import GenerateDelta
 from kvseal.wire.roles import Role
-from kvseal.worker.join import EXIT_REFUSED, Registration
+from kvseal.worker.join import EXIT_REFUSED, Registrations
 from kvseal.worker.outbox import Outbox
 
 log = logging.getLogger("kvseal.worker")
@@ -70,7 +70,7 @@ class WorkerServer:
         self.drain_timeout_s = drain_timeout_s
         self.draining_since: float | None = None
         self._drain_asked: str | None = None
-        self.join: Registration | None = None  # set when started with --router
+        self.join: Registrations | None = None  # set when started with --router
         # set by `kvseal serve` (launch.Fleet) for the workers it starts: never outlive that process, even one
         # that died while this worker was still loading its model. A worker started on its own has no parent.
         launcher = os.environ.get(P.LAUNCHER_PID_ENV)
@@ -149,6 +149,8 @@ class WorkerServer:
                 log.warning("parent process exited; stopping")  # never outlive `kvseal serve`
                 break
             self.hooks.refresh()
+            if self.join is not None:
+                self.join.tick(self.poller)  # a router that came up since joins this worker too
             if self._drain_asked is not None:
                 self.drain(self._drain_asked)
             busy = self.engine.has_work() or self.busy() or self.outbox.queued > 0

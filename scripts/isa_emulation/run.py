@@ -24,7 +24,7 @@ for qt in (2, 3, 6, 8, 12, 13, 14):
     w = random_blocks(qt, N, k, seed=qt)
     buf = torch.empty(lib.kvs_qpacked_bytes(qt, N, k), dtype=torch.uint8)
     lib.kvs_qpack(qt, w.data.data_ptr(), N, k, buf.data_ptr())
-    for m in (1, 5, 11):
+    for m in (1, 5, 11, 40):  # 11 (Q5_K, Q6_K) and 40 (every type): AVX-512-VNNI over unpacked tiles
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(qt + m))
         y = torch.empty(m, N)
         assert lib.kvs_qlinear(qt, buf.data_ptr(), N, k, x.data_ptr(), m, y.data_ptr()) == 0

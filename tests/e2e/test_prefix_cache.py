@@ -118,10 +118,10 @@ def test_keys_are_required_and_never_echoed(server: Server) -> None:
 
 
 def probe(url: str, tmp_path: Path) -> tuple[int, str]:
-    """`kvseal audit URL --tenant-keys A,B`: exit code and output."""
+    """`kvseal audit URL --tenant-keys A,B --probes prefix_cache`: exit code and output."""
     keys = f"{KEYS['alice']},{KEYS['bob']}"
-    r = subprocess.run([sys.executable, "-m", "kvseal", "audit", url, "--tenant-keys", keys, "--probe-trials", "3",
-                        "--probe-chars", "1500", "--report", str(tmp_path / "probe.json")],
+    r = subprocess.run([sys.executable, "-m", "kvseal", "audit", url, "--tenant-keys", keys, "--probes", "prefix_cache",
+                        "--probe-trials", "3", "--probe-chars", "1500", "--report", str(tmp_path / "probe.json")],
                        check=False, capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert all(k not in out for k in KEYS.values()), out  # keys are never printed
@@ -131,7 +131,7 @@ def probe(url: str, tmp_path: Path) -> tuple[int, str]:
 @pytest.mark.serial  # a timing probe: it measures time to first token (scripts/test.sh)
 def test_cross_tenant_probe_finds_nothing_shared(server: Server, tmp_path: Path) -> None:
     code, out = probe(server.url, tmp_path)
-    assert code == 0 and "ISOLATED" in out, out
+    assert code == 0 and "ISOLATED" in out and "prefix_cache       held" in out, out
 
 
 @pytest.mark.serial  # a timing probe: it measures time to first token (scripts/test.sh)
@@ -140,7 +140,7 @@ def test_cross_tenant_probe_sees_one_shared_cache_without_keys(tmp_path: Path) -
     try:
         s.ready()
         code, out = probe(s.url, tmp_path)
-        assert code == 1 and "SHARED" in out, out
+        assert code == 1 and "SHARED" in out and "prefix_cache       broken" in out, out
     finally:
         s.stop()
 
@@ -150,7 +150,7 @@ def test_no_prefix_cache_turns_it_off(tmp_path: Path) -> None:
     try:
         s.ready()
         code, out = probe(s.url, tmp_path)
-        assert code == 0 and "NO CACHE SEEN" in out, out
+        assert code == 0 and "NO CACHE SEEN" in out and "prefix_cache       not_applicable" in out, out
         prompt = long_prompt()
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
         for _ in range(2):

@@ -9,8 +9,9 @@ import msgspec
 import pytest
 
 from kvseal.cli import build_parser
-from kvseal.commands import worker_specs, worker_threads
+from kvseal.cli.serve import worker_specs, worker_threads
 from kvseal.config_args import engine_config
+from kvseal.config_fleet import TransportConfig
 from kvseal.worker.run import WorkerSpec
 
 
@@ -33,8 +34,8 @@ def test_workers_get_the_engine_config_as_one_message() -> None:
     assert decode.engine.model.arithmetic == "exact" and decode.engine.cache.kv_dtype == "bfloat16"
     assert not decode.engine.cache.prefix_cache and decode.engine.model.max_model_len == 1024
     assert prefill.engine.cache.pool_tokens == 4096 and decode.engine.cache.pool_tokens == 8192
-    assert (prefill.role, decode.role, prefill.threads, decode.threads) == ("prefill", "decode", 2, 2)
-    assert prefill.test_faults == decode.test_faults == "no_scrub"
+    assert (prefill.role, decode.role, prefill.worker.threads, decode.worker.threads) == ("prefill", "decode", 2, 2)
+    assert prefill.process.test_faults == decode.process.test_faults == "no_scrub"
     wire = msgspec.json.encode(decode)  # what launch.Fleet writes to the worker's stdin
     assert msgspec.json.decode(wire, type=WorkerSpec) == decode
     with pytest.raises(msgspec.ValidationError, match="page_size"):  # validated again on arrival
@@ -59,11 +60,13 @@ def test_a_worker_refuses_a_bad_start_message() -> None:
 def test_serve_starts_every_worker_with_its_kv_transport() -> None:
     for flags, want in (([], "zmq"), (["--kv-transport", "nixl"], "nixl")):
         prefill, decode = worker_specs(build_parser().parse_args(["serve", *flags]), 2)
-        assert prefill.kv_transport == decode.kv_transport == want
+        assert prefill.transport.kv_transport == decode.transport.kv_transport == want
         # what the worker process decodes from its stdin is what the parent sent
-        assert msgspec.json.decode(msgspec.json.encode(decode), type=WorkerSpec).kv_transport == want
+        assert msgspec.json.decode(msgspec.json.encode(decode), type=WorkerSpec).transport.kv_transport == want
     assert build_parser().parse_args(["decode", "--kv-transport", "nixl"]).kv_transport == "nixl"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["prefill", "--kv-transport", "rdma"])
     with pytest.raises(ValueError, match="kv_transport"):
-        WorkerSpec(role="decode", engine=prefill.engine, kv_transport="rdma")
+        WorkerSpec(role="decode", engine=prefill.engine, transport=TransportConfig(kv_transport="rdma"))
+    with pytest.raises(msgspec.ValidationError, match="kv_transport"):  # and on arrival, in the start message
+        msgspec.json.decode(msgspec.json.encode(decode).replace(b'"nixl"', b'"rdma"'), type=WorkerSpec)

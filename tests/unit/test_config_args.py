@@ -69,7 +69,8 @@ def test_every_engine_setting_is_a_field_with_its_flag_and_help() -> None:
                 assert helps.get(dest(f)) == f.metadata["cli"]["help"], (command, f.name)
     # the server's flags too (its keys come from the --api-keys file, not flags of their own)
     assert {f.name for f in flag_fields(ServerConfig)} == {"host", "port", "max_body_bytes", "tenant_body_bytes",
-                                                          "text_threads", "text_threads_per_tenant"}
+                                                          "text_threads", "text_threads_per_tenant", "state",
+                                                          "state_password_file", "state_secret_file", "state_lease_s"}
 
 
 @pytest.mark.parametrize("command", ["serve", "prefill", "decode"])

@@ -80,7 +80,7 @@ def test_qlinear_on_blocks_at_their_integer_extremes(qtype: int) -> None:
     """All weights at their largest integer value against inputs of one sign: every int16 partial sum of the AVX2
     path at its bound (4-bit: 8 products, 5-bit: 4, 6-bit: 2, 8-bit: 1 before a flush)."""
     w = extreme_blocks(qtype, 24, 2 * step(qtype))
-    for m, sign in ((1, 1.0), (5, -1.0)):
+    for m, sign in ((1, 1.0), (5, -1.0), (20, 1.0), (33, -1.0)):  # 20, 33: AMX tiles where the CPU has them
         x = torch.full((m, w.k), sign)
         ref = qlinear_reference(x, w)
         torch.testing.assert_close(qlinear(x, QWeight.pack(w)).double(), ref, rtol=1e-6, atol=0)
@@ -148,24 +148,26 @@ from tests.unit.test_kernels import random_blocks
 from tests.unit.test_fast_kernels import attention_case
 out = {"isa": ops.qisa()}
 for qtype in (0, 1, 30, 2, 3, 6, 8, 12, 13, 14):
-    k = 512 if qtype >= 12 else 192
-    w = ops.QWeight.pack(random_blocks(qtype, 50, k, seed=qtype))
-    x = torch.randn(11, k, generator=torch.Generator().manual_seed(qtype))
-    out[str(qtype)] = ops.qlinear(x, w).numpy().tobytes().hex()
+    for k in ((512, 768) if qtype >= 12 else (192, 224)):  # 224: an odd number of blocks
+        w = ops.QWeight.pack(random_blocks(qtype, 50, k, seed=qtype))
+        for m in (11, 40):  # 40: AMX tiles where the set is amx-int8 (from 16 rows), three row tiles, one partial
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(qtype + m))
+            out[f"{qtype}/{k}/{m}"] = ops.qlinear(x, w).numpy().tobytes().hex()
 out["attn"] = attention_case()[0].numpy().tobytes().hex()
 print(json.dumps(out))
 """
 
 
 def test_every_instruction_set_gives_the_same_bits() -> None:
-    """KVSEAL_QISA=1 forces the AVX2 paths, 2 AVX-VNNI, 3 AVX-512-VNNI. Every set this CPU has runs and gives the
-    same bits; a set it lacks is refused loudly (an error naming the fix), never run (before: a forced set at or
-    below the best was run, SIGILL on Zen 4 with KVSEAL_QISA=2; on this CPU the request was silently ignored)."""
+    """KVSEAL_QISA=1 forces the AVX2 paths, 2 AVX-VNNI, 3 AVX-512-VNNI, 4 AMX int8 tiles. Every set this CPU has
+    runs and gives the same bits; a set it lacks is refused loudly (an error naming the fix), never run (before: a
+    forced set at or below the best was run, SIGILL on Zen 4 with KVSEAL_QISA=2; on this CPU the request was
+    silently ignored). On a CPU without AMX, 4 is among the refused."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     have = ops.qisa_available()
     assert 1 in have  # AVX2 is the library's baseline
     runs = {}
-    for isa in (1, 2, 3):
+    for isa in (1, 2, 3, 4):
         env = dict(os.environ, KVSEAL_QISA=str(isa), OMP_NUM_THREADS="2")
         proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                               timeout=120, check=False)
@@ -178,17 +180,19 @@ def test_every_instruction_set_gives_the_same_bits() -> None:
             assert f"asks for {ops.QISA_NAMES[isa]}, which this CPU lacks" in proc.stderr, proc.stderr[-2000:]
             assert "Fix: unset KVSEAL_QISA" in proc.stderr
     print("instruction sets run:", [ops.QISA_NAMES[i] for i in runs], "refused:",
-          [ops.QISA_NAMES[i] for i in (1, 2, 3) if i not in runs])
+          [ops.QISA_NAMES[i] for i in (1, 2, 3, 4) if i not in runs])
     for run in runs.values():
         assert {k: v for k, v in run.items() if k != "isa"} == {k: v for k, v in runs[1].items() if k != "isa"}
 
 
-# (CPU, sets it has as kvs_qisa_have's mask: bit 1 avx2, 2 avx-vnni, 3 avx512-vnni, {forced: the set that runs})
+# (CPU, sets it has as kvs_qisa_have's mask: bit 1 avx2, 2 avx-vnni, 3 avx512-vnni, 4 amx-int8, {forced: the set
+# that runs})
 CPUS = [
-    ("Zen 2", 0b0010, {0: 1, 1: 1, 2: 1, 3: 1}),
-    ("Zen 4 / Ice Lake / Cascade Lake", 0b1010, {0: 3, 1: 1, 2: 3, 3: 3}),  # AVX-512-VNNI without AVX-VNNI
-    ("Alder Lake", 0b0110, {0: 2, 1: 1, 2: 2, 3: 2}),
-    ("Sapphire Rapids", 0b1110, {0: 3, 1: 1, 2: 2, 3: 3}),
+    ("Zen 2", 0b00010, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1}),
+    ("Zen 4 / Ice Lake / Cascade Lake", 0b01010, {0: 3, 1: 1, 2: 3, 3: 3, 4: 3}),  # AVX-512-VNNI, no AVX-VNNI
+    ("Alder Lake", 0b00110, {0: 2, 1: 1, 2: 2, 3: 2, 4: 2}),
+    ("Sapphire Rapids, AMX not granted by the OS", 0b01110, {0: 3, 1: 1, 2: 2, 3: 3, 4: 3}),
+    ("Sapphire Rapids", 0b11110, {0: 4, 1: 1, 2: 2, 3: 3, 4: 4}),
 ]
 
 
@@ -316,7 +320,7 @@ def test_arithmetic_resolution_names_why_fast_cannot_run() -> None:
     with pytest.raises(ValueError, match="--arithmetic fast cannot run here"):
         resolve_arithmetic("fast", "torch", "test", arch, 16)
     fast = resolve_arithmetic("auto", "native", "test", arch, 16)
-    assert fast.fast and fast.name == "fast/int8" and fast.isa in ("avx512-vnni", "avx-vnni", "avx2")
+    assert fast.fast and fast.name == "fast/int8" and fast.isa in ("amx-int8", "avx512-vnni", "avx-vnni", "avx2")
 
 
 def test_qpack_refuses_what_it_cannot_pack() -> None:

@@ -1,6 +1,6 @@
 """The house by purpose (issue 31): the router process speaks to the workers in the wire's vocabulary and never
 loads the engine. Checked in a fresh interpreter: the router's app built as `kvseal serve` and `kvseal router` build
-it (commands.http_app over a DisaggBackend, the faults' hooks and the ledger), then what sys.modules holds."""
+it (cli/front.py http_app over a DisaggBackend, the faults' hooks and the ledger), then what sys.modules holds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 ROUTER = """
 import json, sys
-from kvseal.commands import http_app
+from kvseal.cli.front import http_app
 from kvseal.config import ServerConfig
 from kvseal.faults import hooks_from_spec
 from kvseal.ledger.store import Ledger

@@ -1,84 +1,50 @@
 """deploy/k8s, checked offline (issue 21): no cluster is reachable here, so the manifests are rendered with
 `kubectl kustomize` (with a key set made by `kvseal keys`, as docs/deploy.md says), validated in strict mode
 against the Kubernetes API schemas (kubernetes-validate, 1.30), and their wiring is checked against kvseal itself:
-every container's arguments parse with kvseal's own parser, the peers the router starts with are the stable
-names of the workers' pod 0, workers join through the fleet Service, each pod's secret key reaches only its
-member, the memory request holds the KV pool the flags ask for, the grace period outlasts the drain, only
-fleet members reach the control and KV ports, and the workers' metrics token (issue 30) reaches the workers and
-the PodMonitor of deploy/prometheus, never the router or a probe.
+every container's arguments parse with kvseal's own parser, the peers the routers start with are the stable
+names of the workers' pod 0, workers join every router through a headless Service over the routers, each pod's
+secret key reaches only its member, the memory request holds the KV pool the flags ask for, the grace period
+outlasts the drain, only fleet members reach the control and KV ports, and the workers' metrics token (issue 30)
+reaches the workers and the PodMonitor of deploy/prometheus, never the router or a probe. The routers' shared
+state in Redis (issue 34) is checked in tests/unit/test_k8s_state.py.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
-import yaml
 
-from kvseal.cli import build_parser
 from kvseal.metrics.token import token_sha256
+from tests.helpers.k8s import (
+    METRICS_TOKEN,
+    OPERATOR_KINDS,
+    ROLES,
+    Objects,
+    kvseal_args,
+    pod_labels,
+    pod_spec,
+    render_fresh,
+    secret_mount,
+    selects,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 KV_BYTES_PER_TOKEN = 23040  # SmolLM2-135M, bf16 KV (a worker's /info: kv_bytes_per_token)
 RUNTIME_MIB = 400  # weights and runtime of a worker of the bundled model, measured (docs/deploy.md)
-METRICS_TOKEN = "0123456789abcdef0123456789abcdef"  # what `openssl rand -hex 16` would write
-
-
-Objects = dict[tuple[str, str], dict[str, Any]]
-OPERATOR_KINDS = {"PodMonitor"}  # the Prometheus operator's CRDs: no schema in kubernetes-validate, checked below
-
-
-def render(folder: Path) -> Objects:
-    out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=120,
-                         check=False)
-    assert out.returncode == 0, out.stderr
-    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
-    for d in docs:
-        if d["kind"] not in OPERATOR_KINDS:
-            kubernetes_validate.validate(d, "1.30.0", strict=True)  # raises ValidationError naming the field
-    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
 
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Objects, Objects]:
     """(deploy/k8s, deploy/prometheus) rendered with a fresh key set, API keys and metrics token."""
-    assert shutil.which("kubectl"), "kubectl is missing: the repo's setup installs it (scripts/podman_setup.sh)"
-    deploy = tmp_path_factory.mktemp("deploy")
-    k8s = deploy / "k8s"
-    shutil.copytree(ROOT / "deploy" / "k8s", k8s, ignore=shutil.ignore_patterns("fleet-keys", "api-keys",
-                                                                                "metrics-token"))
-    shutil.copytree(ROOT / "deploy" / "prometheus", deploy / "prometheus")
-    subprocess.run([sys.executable, "-m", "kvseal", "keys", str(k8s / "fleet-keys"), "router", "prefill", "decode",
-                    "ops"], check=True, capture_output=True, timeout=60)
-    (k8s / "api-keys").write_text("alice sk-alice-0001\nops sk-ops-0002 admin\n")
-    (k8s / "metrics-token").write_text(METRICS_TOKEN + "\n")
-    return render(k8s), render(deploy / "prometheus")
+    return render_fresh(tmp_path_factory.mktemp("deploy"))
 
 
 @pytest.fixture(scope="module")
 def objects(rendered: tuple[Objects, Objects]) -> Objects:
     return rendered[0]
-
-
-def pod_spec(objects: dict[tuple[str, str], dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    return objects[(kind, name)]["spec"]["template"]["spec"]
-
-
-def kvseal_args(spec: dict[str, Any]) -> Any:
-    (c,) = spec["containers"]
-    args = [a.replace("$(POD_NAME)", "kvseal-x-0") for a in c["args"]]
-    return build_parser().parse_args(args)
-
-
-ROLES = {"prefill": ("StatefulSet", "kvseal-prefill"), "decode": ("StatefulSet", "kvseal-decode"),
-         "router": ("Deployment", "kvseal-router")}
 
 
 def test_every_container_runs_a_kvseal_command_that_parses(objects: dict[tuple[str, str], dict[str, Any]]) -> None:
@@ -92,12 +58,9 @@ def test_every_container_runs_a_kvseal_command_that_parses(objects: dict[tuple[s
         assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 10001
 
 
-def test_the_router_starts_with_pod_0_of_each_role_and_workers_join_through_the_fleet_service(
+def test_the_router_starts_with_pod_0_of_each_role_and_workers_join_every_router(
         objects: dict[tuple[str, str], dict[str, Any]]) -> None:
     router = kvseal_args(pod_spec(objects, "Deployment", "kvseal-router"))
-    fleet = objects[("Service", "kvseal-fleet")]
-    assert fleet["spec"]["selector"]["app.kubernetes.io/component"] == "router"
-    assert fleet["spec"]["ports"][0]["port"] == router.fleet_port
     for role, peers in (("prefill", router.prefill), ("decode", router.decode)):
         kind, name = ROLES[role]
         sts = objects[(kind, name)]
@@ -111,9 +74,28 @@ def test_the_router_starts_with_pod_0_of_each_role_and_workers_join_through_the_
         assert "--advertise-host=$(POD_NAME)." + name in c["args"]
         assert any(e["name"] == "POD_NAME" and e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
                    for e in c["env"])
-        assert worker.router == f"router@kvseal-fleet:{router.fleet_port}"
         # the window the router serves fits in every worker's pool (the router checks it at start: seal 7)
         assert worker.max_model_len == router.max_model_len <= worker.kv_pool_tokens
+
+
+def test_workers_join_every_router_through_a_headless_service_over_the_routers(objects: Objects) -> None:
+    """Each worker's --router names a headless Service (its name resolves to every router pod, worker/join.py), over
+    the routers alone, at their fleet port, listing routers that are not ready yet (they get ready once workers
+    joined)."""
+    router = kvseal_args(pod_spec(objects, *ROLES["router"]))
+    for role in ("prefill", "decode"):
+        worker = kvseal_args(pod_spec(objects, *ROLES[role]))
+        member, _, hostport = worker.router.rpartition("@")
+        host, _, port = hostport.rpartition(":")
+        assert member == router.fleet_member and int(port) == router.fleet_port
+        svc = objects[("Service", host)]["spec"]
+        assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
+        picked = {name for name, labels in pod_labels(objects).items() if selects({"matchLabels": svc["selector"]},
+                                                                                   labels)}
+        assert picked == {"kvseal-router"}
+        (fleet,) = [p for p in svc["ports"] if p["port"] == router.fleet_port]
+        (c,) = pod_spec(objects, *ROLES["router"])["containers"]
+        assert any(p["name"] == fleet["targetPort"] and p["containerPort"] == router.fleet_port for p in c["ports"])
 
 
 def test_each_pod_gets_the_allow_list_and_only_its_own_secret_key(
@@ -184,20 +166,12 @@ def test_only_fleet_members_reach_the_control_kv_and_fleet_ports(
         assert pdb["selector"]["matchLabels"]["app.kubernetes.io/component"] == role
 
 
-def _secret_mount(spec: dict[str, Any], path: str) -> tuple[str, str]:
-    """(the Secret, the key in it) that `path` in the container of `spec` reads."""
-    (c,) = spec["containers"]
-    mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
-    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
-    return volume["secret"]["secretName"], path.removeprefix(mount["mountPath"].rstrip("/") + "/")
-
-
 def test_workers_read_the_metrics_token_from_its_secret_and_probes_do_without_it(objects: Objects,
                                                                                   tmp_path: Path) -> None:
     for role in ("prefill", "decode"):
         spec = pod_spec(objects, *ROLES[role])
         a = kvseal_args(spec)
-        secret, key = _secret_mount(spec, a.metrics_token_file)
+        secret, key = secret_mount(spec, a.metrics_token_file)
         assert secret.startswith("metrics-token-")  # generated: a new token rolls the workers
         data = objects[("Secret", secret)]["data"]
         assert set(data) == {key}
@@ -234,5 +208,5 @@ def test_the_podmonitor_scrapes_every_worker_with_the_token_they_read(rendered: 
         # the same Secret (its generated name) and key the worker reads its token from
         assert endpoint["authorization"]["type"] == "Bearer"
         cred = endpoint["authorization"]["credentials"]
-        assert (cred["name"], cred["key"]) == _secret_mount(spec, a.metrics_token_file)
+        assert (cred["name"], cred["key"]) == secret_mount(spec, a.metrics_token_file)
         assert ("Secret", cred["name"]) in with_prometheus

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvseal.cli import build_parser
-from kvseal.commands import worker_specs
+from kvseal.cli.serve import worker_specs
 from kvseal.engine.engine import Engine
 from kvseal.metrics.engine import EngineCollector, WorkerMetrics
 from kvseal.metrics.token import gated, token_sha256

@@ -244,7 +244,7 @@ def test_store_false_keeps_nothing_and_a_conversation_over_the_budget_is_refused
             r = await responses_post(c, {"input": "hi", "store": False})
             assert r.status_code == 200
             assert (await c.get(f"/v1/responses/{r.json()['id']}", headers=ALICE)).status_code == 404
-            assert len(app.state.responses) == 0
+            assert len(app.state.responses.store) == 0
             kept = await responses_post(c, {"input": "hi"})
             assert (await c.get(f"/v1/responses/{kept.json()['id']}", headers=ALICE)).status_code == 200
             metadata = {f"k{i}": "v" * 300 for i in range(16)}  # 4.8 kB echoed with the answer: over the 4.1
@@ -273,3 +273,31 @@ def test_the_request_log_names_no_prompt_and_no_key(caplog: pytest.LogCaptureFix
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvseal.requests"]
     assert any("tenant=alice" in line and "context_length_exceeded" in line for line in lines), lines
     assert not any("canary-7f3a" in line or "sk-alice" in line for line in lines), lines
+
+
+def test_a_streamed_response_that_cannot_be_stored_ends_with_an_error_not_completed() -> None:
+    """store: true and the store down (Redis unreachable: StateUnavailable): the stream must not say `completed`
+    for an answer that a later previous_response_id could not find."""
+    from kvseal.errors import StateUnavailable
+
+    backend = Backend()
+    app = app_of(backend)
+
+    class DownStore:
+        def __init__(self, inner: Any) -> None:
+            self.budget_of = inner.budget_of
+
+        async def put(self, *args: Any) -> bool:
+            raise StateUnavailable("stored responses cannot be reached")
+
+    app.state.responses = DownStore(app.state.responses)
+
+    async def main() -> str:
+        async with client(app) as c:
+            r = await c.post("/v1/responses", headers=ALICE,
+                             json={"model": "m", "input": "hi", "max_output_tokens": 1, "stream": True})
+            return r.text
+
+    text = asyncio.run(main())
+    assert "response.completed" not in text and "response.incomplete" not in text, text
+    assert '"type": "error"' in text.replace('"type":"error"', '"type": "error"') and "state_unavailable" in text

@@ -20,8 +20,9 @@ from kvseal.api.tools.plan import Function, ToolPlan, plan_tools
 from kvseal.errors import ContextLengthExceeded, InvalidRequest
 from kvseal.router.backend import Backend
 from kvseal.router.fanout import Deltas, Fanout
-from kvseal.tenancy.limits import Lease, RateLimiter
+from kvseal.tenancy.limits import Lease
 from kvseal.tenancy.requestlog import trace_of
+from kvseal.tenancy.state import Limits
 from kvseal.wire.messages import GenerateRequest, ResponseFormat, SamplingParams, response_format
 from kvseal.wire.seeds import sample_seed
 
@@ -120,15 +121,15 @@ def budget(backend: Backend, ids: list[int], max_tokens: int | None, param: str)
     return max_tokens
 
 
-def fan_out(request: Request, rid: str, ids: list[int], params: SamplingParams, n: int,
+async def fan_out(request: Request, rid: str, ids: list[int], params: SamplingParams, n: int,
             cache_salt: str | None, priority: int = 0) -> Fanout:
     """The n samples of one request (every API's), with the tenant's policy from the tenants file (never from the
     body) and its token rate charged before any worker sees the request."""
     backend, tenant, policy = backend_of(request), tenant_of(request), policy_of(request)
     lease: Lease | None = getattr(request.state, "rate_lease", None)  # set by tenancy/ratelimit.py
     if lease is not None:  # tpm: before any worker sees the request
-        limiter: RateLimiter = request.app.state.limits
-        limiter.charge(lease, len(ids), n * params.max_tokens)
+        limiter: Limits = request.app.state.limits
+        await limiter.charge(lease, len(ids), n * params.max_tokens)
 
     def start(i: int) -> Deltas:  # sample i of n: its own id and seed stream, the same prompt
         sample = msgspec.structs.replace(params, seed=sample_seed(params.seed, i))
@@ -158,7 +159,7 @@ async def run(request: Request, body: ChatCompletionRequest | CompletionRequest,
         min_tokens=body.min_tokens,
     )
     rid = ("chatcmpl-" if chat else "cmpl-") + trace_of(request.scope).request_id
-    fan = fan_out(request, rid, ids, params, body.n, body.cache_salt, body.priority)
+    fan = await fan_out(request, rid, ids, params, body.n, body.cache_salt, body.priority)
     builder = ResponseBuilder(rid, backend.model_name, chat, body.return_token_ids)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

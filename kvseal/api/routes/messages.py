@@ -51,7 +51,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
         response_format=plan.response_format if plan is not None else None,
     )
     mid = message_id()
-    fan = fan_out(request, mid, ids, params, 1, None)
+    fan = await fan_out(request, mid, ids, params, 1, None)
     splitter = plan.splitter() if plan is not None else None
     tok, model = backend.tokenizer, backend.model_name
     if body.stream:

@@ -15,6 +15,7 @@ from kvseal.api.responses_format import (
     ResponsesStream,
     Shell,
     assistant_turn,
+    logprob_entries,
     new_id,
     output_items,
     status_of,
@@ -25,14 +26,15 @@ from kvseal.api.routes.generate import budget, fan_out
 from kvseal.api.tools.calls import Text
 from kvseal.api.tools.plan import plan_tools
 from kvseal.errors import InvalidRequest, NotFound
-from kvseal.tenancy.response_store import ResponseStore, entry_size
+from kvseal.tenancy.response_store import entry_size
+from kvseal.tenancy.state import Responses
 from kvseal.wire.messages import SamplingParams
 
 router = APIRouter()
 
 
-def store_of(request: Request) -> ResponseStore:
-    store: ResponseStore = request.app.state.responses  # set by api/app.build_app
+def store_of(request: Request) -> Responses:
+    store: Responses = request.app.state.responses  # set by api/app.build_app
     return store
 
 
@@ -46,13 +48,13 @@ def settings_of(body: ResponsesRequest) -> dict[str, Any]:
     return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
             "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "top_p": 1.0 if body.top_p is None else body.top_p, "top_logprobs": body.top_logprobs or 0,
             "tool_choice": c.model_dump() if c is not None and not isinstance(c, str) else (c or "auto"),
             "tools": [t.model_dump() for t in body.tools or []], "text": {"format": {"type": "text"}},
             "truncation": "disabled", "metadata": body.metadata or {}, "store": body.store, "user": body.user}
 
 
-def fits(store: ResponseStore, tenant: str, conversation: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+def fits(store: Responses, tenant: str, conversation: list[dict[str, Any]], settings: dict[str, Any]) -> None:
     """With store: true, a conversation that alone is over the tenant's stored-response budget is refused before
     any work: its answer could never be kept, and nothing else of the tenant's would survive trying."""
     need, cap = entry_size(conversation, settings), store.budget_of(tenant).bytes
@@ -69,7 +71,7 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
     check_model(backend, body.model)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
-        prev = store.get(tenant, body.previous_response_id)  # another tenant's id is as absent as a made-up one
+        prev = await store.get(tenant, body.previous_response_id)  # another tenant's id is as absent as a made-up one
         if prev is None:
             raise _missing(body.previous_response_id, "previous_response_id")
         history = prev.conversation
@@ -78,6 +80,10 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
         fits(store, tenant, conversation, settings_of(body))
     plan = plan_tools(backend.tokenizer.chat_template, body.functions(), body.choice(), body.parallel_tool_calls,
                       has_response_format=False)
+    logprobs = body.logprobs()
+    if plan is not None and logprobs is not None:  # as on /v1/chat/completions: a call's tokens are no text
+        raise InvalidRequest("include: message.output_text.logprobs cannot be combined with tools (tool_choice "
+                             "other than none)", param="include")
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     try:
         text = await texts.render(system + conversation, True, plan.template_tools if plan is not None else None)
@@ -91,17 +97,19 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
         top_p=1.0 if body.top_p is None else body.top_p,
         stop=plan.stops if plan is not None else (),
         response_format=plan.response_format if plan is not None else None,
+        logprobs=logprobs,
     )
     rid = new_id("resp_")
     shell = Shell(rid, backend.model_name, settings_of(body))
 
-    def done(out: dict[str, Any], items: list[dict[str, Any]]) -> None:
+    async def done(out: dict[str, Any], items: list[dict[str, Any]]) -> None:
         if body.store:
-            store.put(tenant, rid, [*conversation, assistant_turn(items)], out)
+            await store.put(tenant, rid, [*conversation, assistant_turn(items)], out)
 
-    fan = fan_out(request, rid, ids, params, 1, None)
+    fan = await fan_out(request, rid, ids, params, 1, None)
     if body.stream:
-        return await respond.stream(request, fan, ResponsesStream(shell, plan.splitter() if plan else None, done))
+        return await respond.stream(request, fan, ResponsesStream(shell, plan.splitter() if plan else None, done,
+                                                                backend.tokenizer if logprobs is not None else None))
     samples = await respond.gather(request, fan)
     if isinstance(samples, JSONResponse):
         return samples
@@ -112,18 +120,20 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
         items = output_items(splitter.feed(s.text) + splitter.finish())
     else:
         items = output_items([Text(s.text)])
+        if logprobs is not None and items:
+            items[0]["content"][0]["logprobs"] = logprob_entries(backend.tokenizer, s.lps or [])
     status = status_of(s.final)
     for item in items:
         if item["type"] == "message":
             item["status"] = status  # a message cut by max_output_tokens is incomplete
     out = shell.body(status, items, s.final)
-    done(out, items)
+    await done(out, items)
     return JSONResponse(out)
 
 
 @router.get("/v1/responses/{rid}")
 async def retrieve(rid: str, request: Request) -> Any:
-    found = store_of(request).get(tenant_of(request), rid)
+    found = await store_of(request).get(tenant_of(request), rid)
     if found is None:
         raise _missing(rid)
     return found.body
@@ -131,6 +141,6 @@ async def retrieve(rid: str, request: Request) -> Any:
 
 @router.delete("/v1/responses/{rid}")
 async def delete(rid: str, request: Request) -> Any:
-    if not store_of(request).delete(tenant_of(request), rid):
+    if not await store_of(request).delete(tenant_of(request), rid):
         raise _missing(rid)
     return {"id": rid, "object": "response", "deleted": True}
