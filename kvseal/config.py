@@ -113,6 +113,14 @@ class SchedulerConfig:
     contended_chunk_tokens: int = opt(128, "with --fairness vtc: prompt tokens per step while more than one tenant "
                                       "competes (had work within 5 s), so that a newcomer waits for a short step; a "
                                       "tenant alone gets --max-num-batched-tokens chunks")
+    speculative: str = opt("lookup", "speculative decoding (engine/drafts.py): lookup (default) drafts a request's "
+                           "next tokens from n-grams of its own prompt and output, nothing else, and verifies them "
+                           "in the batched step; greedy tokens are the same, sampled ones keep their distribution; "
+                           "off: never. A request may say speculative: false", choices=("lookup", "off"))
+    speculative_rows: int = opt(12, "with --speculative lookup: a step drafts only while nothing waits and no prompt "
+                                "runs, and while its decode rows, drafts included, stay within this many (a small "
+                                "batch reads every weight for a handful of rows; a large one is already "
+                                "compute-bound)", metavar="N")
 
     def __post_init__(self) -> None:
         _need(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "give a positive number")
@@ -124,6 +132,10 @@ class SchedulerConfig:
               "give at least 16 tokens (or the same as max_num_batched_tokens for no cap)")
         _need(self.fairness in ("vtc", "off"), "fairness", self.fairness, "use vtc (tenants share by weight) or off "
               "(arrival order)")
+        _need(self.speculative in ("lookup", "off"), "speculative", self.speculative, "use lookup (drafts from the "
+              "request's own text) or off")
+        _need(2 <= self.speculative_rows <= self.max_num_batched_tokens, "speculative_rows", self.speculative_rows,
+              f"give 2 to --max-num-batched-tokens ({self.max_num_batched_tokens}) rows")
 
 
 @dataclass(frozen=True)

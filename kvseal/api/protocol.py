@@ -1,8 +1,9 @@
 """OpenAI request bodies, validated. Anything out of range is a 400 with the parameter named.
 
 Extensions that vLLM and SGLang users expect are accepted too: top_k, min_tokens, ignore_eos,
-stop_token_ids, cache_salt, return_token_ids. A field kvseal does not implement (logit_bias, ...) is a
-400 that names it, never silently dropped (seal 2: no stand-in answers); a field sent as null counts as absent.
+stop_token_ids, cache_salt, return_token_ids, priority; and kvseal's speculative (false: this request never
+drafts). A field kvseal does not implement (logit_bias, ...) is a 400 that names it, never silently dropped (seal 2:
+no stand-in answers); a field sent as null counts as absent.
 Tools (api/tools/) are honoured for templates kvseal has a call parser for, and a 400 naming `tools` otherwise.
 """
 
@@ -136,6 +137,8 @@ class _SamplingFields(Strict):
     response_format: ResponseFormatBody | None = None
     # vLLM's: lower is scheduled earlier; it orders this request among its own tenant's (never across tenants)
     priority: Annotated[int, Field(ge=-(2**31), le=_I32)] = 0
+    # kvseal's: false, and this request never drafts (engine/drafts.py); true leaves it to the engine's --speculative
+    speculative: bool = True
 
     @field_validator("stop")
     @classmethod

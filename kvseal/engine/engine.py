@@ -17,6 +17,7 @@ import torch
 from kvseal.config import EngineConfig
 from kvseal.engine.connector import KVConnector
 from kvseal.engine.devices import place
+from kvseal.engine.drafts import Drafter
 from kvseal.engine.figures import engine_card, engine_figures, engine_info
 from kvseal.engine.kv_decode import DecodeConnector
 from kvseal.engine.kv_prefill import PrefillConnector
@@ -53,6 +54,7 @@ from kvseal.wire.messages import GenerateDelta, GenerateRequest, TokenLogprob
 from kvseal.wire.roles import Role
 
 C = TypeVar("C", bound=KVConnector)
+Pick = tuple[Sequence, list[int], list[TokenLogprob | None]]  # a sequence's new tokens this step, their logprobs
 # what each role adds to the one Engine (engine/connector.py): the engine builds its own from its role
 CONNECTORS: dict[Role, type[KVConnector]] = {Role.UNIFIED: KVConnector, Role.PREFILL: PrefillConnector,
                                              Role.DECODE: DecodeConnector}
@@ -101,6 +103,8 @@ class Engine:
                                    self.prefix_cache, self.window)
         self.runner = ModelRunner(self.model, self.pool, self.allocator, self.window)
         self.grammars = Grammars(self.tokenizer, arch.vocab_size, cfg.grammar)  # response_format (structured.py)
+        self.drafter = Drafter(cfg.scheduler)  # speculative decoding (engine/drafts.py): decode and unified only
+        self.drafter.on &= role != Role.PREFILL
         self.kv = CONNECTORS[role](self)  # a disaggregated role's handoff (engine/connector.py)
         self._out: list[tuple[Sequence, GenerateDelta]] = []  # each delta with the request it is for (its route)
         self._rng = torch.Generator().manual_seed(cfg.seed)
@@ -303,6 +307,7 @@ class Engine:
         for seq in self.scheduler.expired(time.monotonic()):
             self.end(seq, partial(seq.life.reject, Overloaded(
                 f"no KV pages became free within {self.cfg.scheduler.wait_timeout_s:g}s; retry later")))
+        self.drafter.propose(self.scheduler.waiting, self.scheduler.running, self.context_window)
         batch, preempted = self.scheduler.schedule()
         for seq in preempted:
             seq.life.advance(State.ADMITTED)
@@ -311,12 +316,12 @@ class Engine:
                 seq.life.advance(State.PREFILLING)
         if batch.seqs:
             result = self._run(batch)
-            if result.logits is not None:
-                self._sample(result)
+            picks, rejected = self._pick(result)
+            self._after_step(batch, result, rejected)
+            self._emit(picks)
 
     def _run(self, batch: Batch) -> StepResult:
-        """The forward pass; a sequence whose page table names pages it does not own fails (seal 5). After it, each
-        sequence's ledger record, its sliding window's dropped pages, and a completed prompt's pages cached."""
+        """The forward pass; a sequence whose page table names pages it does not own fails (seal 5)."""
         if self.step_threads is not None:
             self._set_step_threads(sum(batch.num_new))
         result = self.runner.run(batch)
@@ -324,28 +329,55 @@ class Engine:
         for seq in result.violations:
             self.end(seq, partial(seq.life.fail, PageOwnershipViolation(
                 f"request {seq.request_id}: its page table names pages it does not own; no output")))
+        return result
+
+    def _after_step(self, batch: Batch, result: StepResult, rejected: dict[int, int]) -> None:
+        """Each sequence's ledger record of the positions it kept, its sliding window's dropped pages, and a
+        completed prompt's pages cached."""
         for seq, n in zip(batch.seqs, batch.num_new):
             if seq in result.violations:
                 continue
+            dropped = rejected.get(id(seq), 0)
+            if dropped:
+                self.scheduler.shrink(seq)
             if self.forensics is not None:
-                self.forensics.after_step(seq, n)
-            self.scheduler.after_step(seq, n)
-        return result
+                self.forensics.after_step(seq, n - dropped)
+            self.scheduler.after_step(seq, n - dropped)
 
-    def _sample(self, result: StepResult) -> None:
-        """The next token of each sequence due one. Logprobs from the model's own distribution, not the grammar's
-        mask (as vLLM): the unmasked rows. Prefill: the connector takes a sequence with its first token."""
-        assert result.logits is not None
-        raw = result.logits.clone() if any(s.grammar is not None and s.params.logprobs is not None
-                                           for s in result.sampled) else result.logits
-        self.grammars.mask(result.logits, [s.grammar for s in result.sampled])
-        tokens, lps = sample(result.logits, [s.params for s in result.sampled], [s.seed for s in result.sampled],
-                             [len(s.output_ids) for s in result.sampled], raw)
-        for seq, tok, lp in zip(result.sampled, tokens, lps):
-            if self.kv.after_prefill(seq, tok, lp):  # prefill: decode takes it from here
+    def _pick(self, result: StepResult) -> tuple[list[Pick], dict[int, int]]:
+        """The next tokens of each sequence due some: one sampled (logprobs from the model's own distribution, not
+        the grammar's mask, as vLLM), or a draft's verified tokens (engine/drafts.py, which rolls num_computed back
+        past its rejected positions: returned by id(seq))."""
+        if result.logits is None:
+            return [], {}
+        logits = result.logits
+        ends = torch.tensor(result.rows).cumsum(0).tolist()
+        plain = [i for i, r in enumerate(result.rows) if r == 1]
+        rows = logits if len(plain) == len(ends) else logits[[ends[i] - 1 for i in plain]]
+        seqs = [result.sampled[i] for i in plain]
+        raw = rows.clone() if any(s.grammar is not None and s.params.logprobs is not None for s in seqs) else rows
+        self.grammars.mask(rows, [s.grammar for s in seqs])
+        tokens, lps = sample(rows, [s.params for s in seqs], [s.seed for s in seqs],
+                             [len(s.output_ids) for s in seqs], raw)
+        picks: list[Pick] = [(s, [t], [lp]) for s, t, lp in zip(seqs, tokens, lps)]
+        rejected: dict[int, int] = {}
+        for i, (seq, r) in enumerate(zip(result.sampled, result.rows)):
+            if r > 1:
+                toks, rejected[id(seq)] = self.drafter.verify(seq, logits[ends[i] - r:ends[i]])
+                picks.append((seq, toks, [None] * len(toks)))
+        return picks, rejected
+
+    def _emit(self, picks: list[Pick]) -> None:
+        """Take in each sequence's new tokens, one delta each (a stream shows one token an event, however many a
+        draft gave). Prefill: the connector takes a sequence with its first token."""
+        for seq, tokens, lps in picks:
+            if self.kv.after_prefill(seq, tokens[0], lps[0]):  # prefill: decode takes it from here
                 self.scheduler.park(seq)  # out of the batch; its pages stay owned until the handoff ends
-            else:
+                continue
+            for tok, lp in zip(tokens, lps):
                 self._append(seq, tok, lp)
+                if seq.life.terminal:  # a stop among the accepted drafts: what followed it is not output
+                    break
 
     def _grammars_arrived(self) -> None:
         """Take in the compiles that ended; the requests that waited for them join the batch (or end). With nothing

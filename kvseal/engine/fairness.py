@@ -147,14 +147,20 @@ class FairShare:
         held: pages each tenant holds now; weights: the weight of every tenant with work here (tenant included).
         Only with vtc, only for a tenant that stays within its fair share with them (or holds nothing: one request
         always may start), and only from another tenant of the same or a lower class (a higher number) that holds
-        more than its own share; of those, the one most over it (pages per weight), its lowest-priority newest."""
+        more than its own share; of those, the one most over it (pages per weight), its lowest-priority newest. A
+        tenant that would pass its share with them (holding nothing) never takes another tenant's last running
+        request: the two would preempt each other in turn, each recomputed from nothing, and neither would finish."""
         if not self.vtc:
             return None
         mine = held.get(tenant, 0)
-        if mine and mine + need > fair_share(weights, tenant, total):
+        over = mine + need > fair_share(weights, tenant, total)
+        if mine and over:
             return None
+        running = list(running)
+        others = Counter(s.tenant for s in running)
         candidates = [s for s in running if s.tenant != tenant and s.priority_class >= priority_class
-                      and held.get(s.tenant, 0) > fair_share(weights, s.tenant, total)]
+                      and held.get(s.tenant, 0) > fair_share(weights, s.tenant, total)
+                      and not (over and others[s.tenant] == 1)]
         if not candidates:
             return None
         worst = max(candidates, key=lambda s: (s.priority_class, held.get(s.tenant, 0) / weights.get(s.tenant, 1.0),

@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from kvseal.config import EngineConfig
+from kvseal.engine.drafts import Drafter
 from kvseal.engine.scheduler import Scheduler
 from kvseal.engine.sequence import Sequence
 from kvseal.engine.structured import Grammars
@@ -41,6 +42,7 @@ class EngineView(Protocol):  # what is read here of engine/engine.py's Engine (i
     scheduler: Scheduler
     window: WindowPages | None
     grammars: Grammars
+    drafter: Drafter
     pages_scrubbed: int
     ownership_violations: int
 
@@ -65,6 +67,7 @@ def engine_info(e: EngineView) -> dict[str, object]:
         "kv_scrub": e.cfg.cache.scrub,
         "device": str(e.device),
         "fairness": e.cfg.scheduler.fairness,
+        "speculative": e.cfg.scheduler.speculative if e.drafter.on else "off",
         "ledger": None if e.ledger is None else str(e.ledger.path),
         **engine_figures(e),
     }
@@ -108,4 +111,8 @@ def engine_figures(e: EngineView) -> dict[str, object]:
         "waiting_for_grammar": len(e.compiling()),
         "grammar_compilers": 0 if grammars is None else len(grammars.pids),
         "grammar_compiles_killed": 0 if grammars is None else grammars.killed,
+        # speculative decoding (engine/drafts.py): draft tokens verified, kept, and requests' steps that verified one
+        "spec_drafted_tokens": e.drafter.drafted,
+        "spec_accepted_tokens": e.drafter.accepted,
+        "spec_drafts": e.drafter.steps,
     }

@@ -8,7 +8,7 @@ allocator's owner array) is dropped from the batch before any KV is read, and re
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,8 +24,9 @@ from kvseal.model.llama import LlamaModel
 @dataclass
 class StepResult:
     sampled: list[Sequence]  # sequences whose next token is due, in logits row order
-    logits: torch.Tensor | None  # (len(sampled), V) float32
+    logits: torch.Tensor | None  # (sum(rows), V) float32: 1 + len(draft) rows for each sampled sequence, in order
     violations: list[Sequence]  # failed the ownership check; nothing was computed for them
+    rows: list[int] = field(default_factory=list)  # per sampled sequence: its logits rows (1 + its draft)
 
 
 class ModelRunner:
@@ -74,7 +75,7 @@ class ModelRunner:
         )
         for seq, n in seqs:
             seq.num_computed += n
-        return StepResult(flat.sampled, logits if flat.sampled or all_logits else None, violations)
+        return StepResult(flat.sampled, logits if flat.sampled or all_logits else None, violations, flat.rows)
 
     def _rows(self, seqs: list[tuple[Sequence, int]], table_of: Callable[[Sequence], tuple[list[int], int]],
               ) -> tuple[list[int], list[_Rows]]:
@@ -163,17 +164,20 @@ class _Flat:
     positions: list[int]
     logits_rows: list[int]  # the rows whose logits are returned, in order
     sampled: list[Sequence]  # the sequences whose next token is due (all_logits: still only those)
+    rows: list[int]  # per sampled sequence, its logits rows: its last token's and one per draft token
 
 
 def _flatten(seqs: list[tuple[Sequence, int]], all_logits: bool) -> _Flat:
-    flat = _Flat([], [], [], [])
+    flat = _Flat([], [], [], [], [])
     for seq, n in seqs:
         start, end = seq.num_computed, seq.num_computed + n
         flat.ids += seq.token_slice(start, end)
         flat.positions += range(start, end)
-        if end == seq.num_tokens:
-            flat.logits_rows.append(len(flat.ids) - 1)
+        if end == seq.num_target:  # the scheduler feeds a draft whole: its rows are the last 1 + len(draft)
+            rows = 1 + len(seq.draft)
+            flat.logits_rows += range(len(flat.ids) - rows, len(flat.ids))
             flat.sampled.append(seq)
+            flat.rows.append(rows)
     if all_logits:
         flat.logits_rows = list(range(len(flat.ids)))
     return flat

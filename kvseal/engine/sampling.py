@@ -30,20 +30,8 @@ def sample(
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = logits[i] / p.temperature
-        if p.top_k > 0 and p.top_k < row.shape[0]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            # keep the smallest prefix whose mass reaches top_p (always at least the best token)
-            drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
-            drop[0] = False  # even a top_p that rounds to 0 in float32 keeps the best token
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        gen = torch.Generator(device="cpu").manual_seed(draw_seed(seeds[i], indices[i]))
-        tokens[i] = int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+        probs = target_probs(logits[i], p)
+        tokens[i] = int(torch.multinomial(probs.cpu(), 1, generator=token_generator(seeds[i], indices[i])).item())
 
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -58,3 +46,25 @@ def sample(
                 top = list(zip(ids.tolist(), vals.tolist()))
             logprobs[i] = TokenLogprob(tokens[i], float(lp[j, tokens[i]]), top)
     return tokens, logprobs
+
+
+def target_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """(V,) logits -> the distribution a sampled (not greedy) token is drawn from: temperature, top-k, top-p."""
+    row = row / p.temperature
+    if p.top_k > 0 and p.top_k < row.shape[0]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the best token)
+        drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+        drop[0] = False  # even a top_p that rounds to 0 in float32 keeps the best token
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return probs
+
+
+def token_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of a request's token number `index`: the same draws whatever runs beside it."""
+    return torch.Generator(device="cpu").manual_seed(draw_seed(seed, index))

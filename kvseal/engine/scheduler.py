@@ -119,6 +119,9 @@ class Scheduler:
             if seq not in self.running:  # preempted earlier in this pass
                 continue
             n = self._tokens(seq, step)
+            if seq.draft and (n < seq.decode_tokens or not self._grow(seq, seq.num_computed + n)):
+                seq.draft = []  # a draft is fed whole or not at all, and never costs anyone their pages
+                n = self._tokens(seq, step)
             if n == 0:
                 continue
             while not self._grow(seq, seq.num_computed + n):
@@ -199,13 +202,13 @@ class Scheduler:
     @staticmethod
     def _prompting(seq: Sequence) -> bool:
         """Still computing its prompt (or recomputing after a preemption): more left than a decode step feeds."""
-        return seq.num_tokens - seq.num_computed > seq.decode_tokens
+        return seq.num_target - seq.num_computed > seq.decode_tokens
 
     @staticmethod
     def _tokens(seq: Sequence, step: Step) -> int:
         """The tokens seq may feed this step: a decode step's (never capped), else a chunk within both the budget and
         the cap on prompt tokens."""
-        n = min(seq.num_tokens - seq.num_computed, step.budget)
+        n = min(seq.num_target - seq.num_computed, step.budget)
         return n if n <= seq.decode_tokens else min(n, max(step.chunk, 0))
 
     def _unbatch(self, victim: Sequence, batch: Batch) -> int:
@@ -274,6 +277,18 @@ class Scheduler:
             full = len(seq.prompt_ids) // self.page_size
             self.cache.insert(seq.owner, seq.cache_ns, seq.cache_keys[:full], seq.pages[:full])
 
+    def shrink(self, seq: Sequence) -> None:
+        """After a draft was rejected: the pages past seq's computed positions, which hold only rejected drafts' KV,
+        are scrubbed and freed (a kept page's rejected positions are rewritten by the next step before any query
+        reads them)."""
+        keep = pages_for(seq.num_computed, self.page_size)
+        if keep < len(seq.pages):
+            self.allocator.free(seq.owner, seq.pages[keep:])
+            del seq.pages[keep:]
+            self.last_freed = time.monotonic()
+        if self.window is not None:
+            self.window.shrink(seq, seq.num_computed)
+
     def drop_out_of_window(self, seq: Sequence) -> None:
         """After seq's step: its sliding layers' pages that no later query sees are scrubbed and freed."""
         if self.window is not None and self.window.drop(seq):
@@ -281,6 +296,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft = []  # recomputed from its real tokens alone
         self.release(seq)
         seq.owner = self.allocator.next_epoch(seq.owner)  # a stale page table can never pass again
         seq.num_computed = 0

@@ -30,6 +30,7 @@ from kvseal.wire.messages import GenerateRequest, SamplingParams, TokenLogprob
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
+    from kvseal.engine.drafts import Speculation
     from kvseal.transfer.base import TransferHandle
     from kvseal.wire.reservation import Reservation
 
@@ -101,22 +102,36 @@ class Sequence:
         self.reservation: Reservation | None = None  # decode: its own; prefill: the one its KV goes to
         self.reserved_until = 0.0  # decode: the reservation ends then (monotonic) unless renewed or its KV arrived
         self.landing = False
+        # speculative decoding (engine/drafts.py): this request's own lookup index and draft length, and the draft
+        # fed in this step after its last token. A draft lives for one step of a running sequence: verified and
+        # cleared after it (rejected positions are rewritten by the next step before any query reads them), and
+        # cleared when the sequence is preempted.
+        self.spec: Speculation | None = None
+        self.draft: list[int] = []
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def num_target(self) -> int:
+        """The positions this step may reach: its tokens and its draft (the draft's KV is written, then kept only
+        as far as it was accepted)."""
+        return self.num_tokens + len(self.draft)
+
+    @property
     def decode_tokens(self) -> int:
-        """The tokens one decode step feeds: the last one sampled. The scheduler never caps them and never counts them
-        as a prompt chunk; a request that verifies draft tokens (speculative decoding) feeds them here too."""
-        return 1
+        """The tokens one decode step feeds: the last one sampled and its draft. The scheduler never caps them and
+        never counts them as a prompt chunk."""
+        return 1 + len(self.draft)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_ids)
         if end <= p:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= p and end <= self.num_tokens:
+            return self.output_ids[start - p:end - p]
+        return (self.prompt_ids + self.output_ids + self.draft)[start:end]
 
     def __repr__(self) -> str:
         return f"Sequence({self.request_id}, {self.life.state.name}, computed={self.num_computed}/{self.num_tokens})"

@@ -30,21 +30,20 @@ FAILS_TO_PAUSE = 3
 
 @dataclass
 class DraftLength:
+    """One request's draft length. `emitted` counts the request's output tokens (a pause is measured in them)."""
+
     k: int = 4
     fails: int = 0  # drafts in a row of which nothing was accepted
-    paused_for: int = 0  # tokens still to go without a draft
+    paused_until: int = 0  # no draft before the request has emitted this many tokens
     drafted: int = 0
     accepted: int = 0
 
-    def want(self) -> int:
+    def want(self, emitted: int) -> int:
         """How many draft tokens to ask for now (0: none this step)."""
-        return 0 if self.paused_for > 0 else self.k
+        return 0 if emitted < self.paused_until else self.k
 
     def after(self, drafted: int, accepted: int, emitted: int) -> None:
-        """A step verified `drafted` tokens of which `accepted` were kept, and emitted `emitted` tokens."""
-        if drafted == 0:
-            self.paused_for = max(0, self.paused_for - emitted)
-            return
+        """A step verified `drafted` tokens (> 0) of which `accepted` were kept; the request has `emitted` now."""
         self.drafted += drafted
         self.accepted += accepted
         if accepted == drafted:
@@ -52,7 +51,7 @@ class DraftLength:
         elif accepted == 0:
             self.k, self.fails = max(1, self.k // 2), self.fails + 1
             if self.fails >= FAILS_TO_PAUSE:
-                self.paused_for, self.fails = PAUSE_TOKENS, 0
+                self.paused_until, self.fails = emitted + PAUSE_TOKENS, 0
         else:
             self.k, self.fails = max(1, accepted + 1), 0
 

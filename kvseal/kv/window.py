@@ -118,6 +118,13 @@ class WindowPages:
         self.pages_dropped += n
         return n
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Free (scrubbed) seq's window pages past position num_tokens: a draft's rejected positions."""
+        keep = max(0, pages_for(num_tokens, self.page_size) - seq.window_base)
+        if keep < len(seq.window_pages):
+            self.allocator.free(seq.owner, seq.window_pages[keep:])
+            del seq.window_pages[keep:]
+
     def owns(self, seq: Sequence) -> bool:
         """Seal 5 for the window table: every page in it is seq's own (no page here is ever shared)."""
         return self.allocator.owns(seq.owner, seq.window_pages)

@@ -126,4 +126,5 @@ class Forensics:
             request_id=seq.request_id, role=self.role, worker=self.worker, tenant=seq.tenant,
             received=log.received, ended=time.time(), state=state, error_code=error_code,
             reservation_id=log.reservation_id, pages=log.pages, verification=log.verification, cached=log.cached,
-            foreign_reads=log.foreign))
+            foreign_reads=log.foreign, drafted=0 if seq.spec is None else seq.spec.length.drafted,
+            accepted=0 if seq.spec is None else seq.spec.length.accepted))

@@ -40,7 +40,9 @@ CREATE TABLE IF NOT EXISTS requests (
     verification TEXT,             -- JSON, decode: {"result": ok|failed|unverified, "field", "pages": [...]}
     cached TEXT NOT NULL,          -- JSON [[page, namespace (tenant, cache_salt) as hex, writer request], ...]
     foreign_reads TEXT NOT NULL,   -- JSON [[page, lo, hi, source request, source tenant, kind], ...]
-    foreign_tokens INTEGER NOT NULL
+    foreign_tokens INTEGER NOT NULL,
+    drafted INTEGER NOT NULL DEFAULT 0,   -- speculative decoding: draft tokens verified for this request here
+    accepted INTEGER NOT NULL DEFAULT 0   -- of them, kept (per engine: sum by worker)
 );
 CREATE INDEX IF NOT EXISTS requests_ended ON requests (ended);
 CREATE INDEX IF NOT EXISTS requests_foreign ON requests (foreign_tokens);
@@ -65,6 +67,8 @@ class LedgerRow(msgspec.Struct, frozen=True, kw_only=True):
     # (page, first slot, end slot, source request ("" unknown), source tenant, kind: prompt | generated |
     # transfer | unwritten)
     foreign_reads: list[tuple[int, int, int, str, str, str]] = []
+    drafted: int = 0  # speculative decoding (engine/drafts.py): draft tokens verified, and of them kept
+    accepted: int = 0
 
     @property
     def foreign_tokens(self) -> int:
@@ -87,19 +91,24 @@ def connect(path: str | Path) -> sqlite3.Connection:
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
     db.executescript(SCHEMA)
+    have = {row[1] for row in db.execute("PRAGMA table_info(requests)")}
+    for column in ("drafted", "accepted"):  # a ledger written before speculative decoding: its rows count 0
+        if column not in have:
+            db.execute(f"ALTER TABLE requests ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
     return db
 
 
 _COLUMNS = ("request_id", "role", "worker", "tenant", "received", "ended", "prefill_worker", "decode_worker",
             "reservation_id", "state", "error_code", "pages", "verification", "cached", "foreign_reads",
-            "foreign_tokens")
+            "foreign_tokens", "drafted", "accepted")
 _INSERT = f"INSERT INTO requests ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
 
 
 def _values(r: LedgerRow) -> tuple[Any, ...]:
     return (r.request_id, r.role, r.worker, r.tenant, r.received, r.ended, r.prefill_worker, r.decode_worker,
             r.reservation_id, r.state, r.error_code, json.dumps(r.pages), None if r.verification is None
-            else json.dumps(r.verification), json.dumps(r.cached), json.dumps(r.foreign_reads), r.foreign_tokens)
+            else json.dumps(r.verification), json.dumps(r.cached), json.dumps(r.foreign_reads), r.foreign_tokens,
+            r.drafted, r.accepted)
 
 
 class Ledger:

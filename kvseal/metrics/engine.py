@@ -15,6 +15,9 @@ per-tenant families (the only ones that name a tenant) only to a scrape with the
     kvseal:tenant_virtual_tokens, _kv_pages, _requests_running, _requests_waiting   per tenant (engine/fairness.py;
                                                 TenantCollector: the metrics token only, or admin keys under
                                                 `serve --unified`)
+    kvseal:spec_decode_num_draft_tokens_total, _num_accepted_tokens_total, _num_drafts_total, _acceptance_rate
+                                                speculative decoding, this engine's requests together (never per
+                                                tenant)
     kvseal:prefix_cache_hit_tokens_total, kvseal:cached_pages, kvseal:frames_refused_total, kvseal:worker_info
     kvseal:kv_reads_in_flight, _reads_overdue, _read_pages_overdue, _quarantined_pages   gauges (decode, NIXL):
                                                 reads whose pages are claimed, those past their deadline and their
@@ -106,6 +109,15 @@ class EngineCollector(Collector):
         transfers.add_metric(["acked"], c.get("transfers_acked", 0))
         transfers.add_metric(["refused"], c.get("transfers_refused", 0))
         yield transfers
+        drafted, accepted = f.get("spec_drafted_tokens", 0), f.get("spec_accepted_tokens", 0)
+        yield CounterMetricFamily("kvseal:spec_decode_num_draft_tokens", "Draft tokens verified (speculative "
+                                  "decoding by prompt lookup), this engine's requests together", value=drafted)
+        yield CounterMetricFamily("kvseal:spec_decode_num_accepted_tokens", "Of them, the tokens accepted",
+                                  value=accepted)
+        yield CounterMetricFamily("kvseal:spec_decode_num_drafts", "Requests' steps that verified a draft",
+                                  value=f.get("spec_drafts", 0))
+        yield GaugeMetricFamily("kvseal:spec_decode_acceptance_rate", "Accepted over drafted tokens since start "
+                                "(0 before any draft)", value=accepted / drafted if drafted else 0.0)
         yield CounterMetricFamily("kvseal:frames_refused", "Malformed or refused frames from peers",
                                   value=c.get("frames_refused", 0))
         yield CounterMetricFamily("kvseal:requests_received", "Requests this worker received",

@@ -35,6 +35,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob and the top k
     min_tokens: int = 0
     response_format: ResponseFormat | None = None  # None: free text
+    speculative: bool = True  # False: never draft for this request (the engine's --speculative decides otherwise)
 
     @property
     def greedy(self) -> bool:

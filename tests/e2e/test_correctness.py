@@ -36,6 +36,10 @@ def _prompts(ck: Checkpoint) -> list[list[int]]:
                           add_special_tokens=False)
     assert len(long_ids) > 1000, len(long_ids)
     out.append(long_ids)
+    # code to copy: with --speculative lookup (the default) its drafts are mostly accepted (engine/drafts.py)
+    code = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+    out.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": "Repeat this code exactly:\n\n"
+                                                   + code}]), add_special_tokens=False))
     return out
 
 
@@ -58,10 +62,12 @@ def hf_reference(smol: Checkpoint) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, refs
 
 
-def _engine(ck: Checkpoint, kernels: str, budget: int = 256) -> Engine:
-    engine = Engine(EngineConfig(model=ModelConfig(kernels=kernels, arithmetic="exact"),
+def _engine(ck: Checkpoint, kernels: str, budget: int = 256, arithmetic: str = "exact",
+            speculative: str = "lookup") -> Engine:
+    engine = Engine(EngineConfig(model=ModelConfig(kernels=kernels, arithmetic=arithmetic),
                                  cache=CacheConfig(page_size=16, pool_tokens=8192),
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=budget)), ck)
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=budget, speculative=speculative)),
+                    ck)
     assert engine.kernels == kernels
     return engine
 
@@ -81,6 +87,19 @@ def test_greedy_alone_equals_transformers(smol: Checkpoint, hf_reference, kernel
         assert _run(engine, [ids]) == [ref]
     engine.allocator.check_integrity()
     assert engine.allocator.num_free == engine.pool.num_pages
+    assert engine.drafter.accepted > 0  # speculation (on by default) ran, and its tokens are transformers'
+
+
+def test_fast_with_drafts_is_bit_for_bit_fast_without(smol: Checkpoint) -> None:
+    """fast is batch- and chunk-invariant: a draft verified in rows after its request's last token gives the logits
+    of decoding one token at a time, so the greedy tokens with speculation equal those without, every one."""
+    prompts = _prompts(smol)
+    with_drafts = _engine(smol, "native", arithmetic="fast")
+    without = _engine(smol, "native", arithmetic="fast", speculative="off")
+    assert with_drafts.arithmetic.fast  # AVX2 at least: every machine kvseal supports
+    for ids in prompts:
+        assert _run(with_drafts, [ids]) == _run(without, [ids])
+    assert with_drafts.drafter.accepted > 0 and without.drafter.drafted == 0
 
 
 @pytest.mark.parametrize("kernels", ["torch", "native"])

@@ -69,11 +69,12 @@ def tiny() -> Checkpoint:
 
 def make_engine(ck: Checkpoint, pool_tokens: int = 1024, page_size: int = 4, budget: int = 64,
                 scrub: bool = True, wait_timeout: float = 60.0, max_model_len: int | None = None,
-                prefix_cache: bool = True) -> Engine:
+                prefix_cache: bool = True, speculative: str = "lookup") -> Engine:
     from kvseal.config import ModelConfig
 
     return Engine(EngineConfig(model=ModelConfig(max_model_len=max_model_len),
                                cache=CacheConfig(page_size=page_size, pool_tokens=pool_tokens, scrub=scrub,
                                                  prefix_cache=prefix_cache),
                                scheduler=SchedulerConfig(max_num_batched_tokens=max(budget, 16),
-                                                         wait_timeout_s=wait_timeout)), ck)
+                                                         wait_timeout_s=wait_timeout,
+                                                         speculative=speculative)), ck)

@@ -27,6 +27,7 @@ NOT_DEFAULT = {
     "scrub": False, "kv_dtype": "float32", "prefix_cache": False,
     "window_pages": False, "max_num_seqs": 8, "max_num_batched_tokens": 128,
     "max_waiting": 7, "wait_timeout_s": 5.0, "fairness": "off", "contended_chunk_tokens": 64,
+    "speculative": "off", "speculative_rows": 6,
     "grammar_compilers": 3, "grammar_timeout_s": 2.5,
     "grammar_max_bytes": 999, "seed": 11,
 }

@@ -92,6 +92,10 @@ def test_the_room_victim_is_from_the_tenant_over_its_share_only() -> None:
     assert f.room_victim([a1, a2, c1], "b", 0, 5, held, {**weights, "a": 4.0}, 90) is c1
     assert f.room_victim([a1, a2, c1], "b", 1, 5, held, weights, 90) is None  # a higher class is not preempted
     assert FairShare("off").room_victim([a1, a2, c1], "b", 0, 5, held, weights, 90) is None
+    # b would pass its share with them: a request of a may go only while a keeps another one running
+    assert f.room_victim([a1, c1], "b", 0, 40, {"a": 31, "c": 30}, weights, 90) is None
+    assert f.room_victim([a1, a2, c1], "b", 0, 40, {**held, "b": 0}, weights, 90) is a2
+    # (the engine's twin: tests/unit/test_spec_engine.py's preempted case preempted two lone requests in turn forever)
 
 
 def test_prompt_chunks_are_capped_while_two_tenants_compete(tiny: Checkpoint) -> None:

@@ -89,13 +89,17 @@ def test_a_draft_the_target_is_sure_of_is_always_accepted_and_one_it_rules_out_n
 
 def test_the_draft_length_grows_with_acceptance_shrinks_with_failure_and_pauses() -> None:
     d = DraftLength()
+    n = 0
     for _ in range(10):
-        d.after(d.want(), d.want(), d.want() + 1)
-    assert d.want() == MAX_DRAFT
-    d.after(MAX_DRAFT, 2, 3)
-    assert d.want() == 3
+        k = d.want(n)
+        n += k + 1
+        d.after(k, k, n)
+    assert d.want(n) == MAX_DRAFT
+    n += 3
+    d.after(MAX_DRAFT, 2, n)
+    assert d.want(n) == 3
     for _ in range(FAILS_TO_PAUSE):
-        d.after(d.want(), 0, 1)
-    assert d.want() == 0  # drafts that keep failing: no draft for a while
-    d.after(0, 0, PAUSE_TOKENS)
-    assert d.want() >= 1 and d.drafted > 0 and 0 < d.accepted < d.drafted
+        n += 1
+        d.after(d.want(n), 0, n)
+    assert d.want(n) == 0 and d.want(n + PAUSE_TOKENS - 1) == 0  # drafts that keep failing: none for a while
+    assert d.want(n + PAUSE_TOKENS) >= 1 and d.drafted > 0 and 0 < d.accepted < d.drafted

@@ -157,6 +157,7 @@ async def run(request: Request, body: ChatCompletionRequest | CompletionRequest,
         ignore_eos=body.ignore_eos,
         logprobs=top_logprobs,
         min_tokens=body.min_tokens,
+        speculative=body.speculative,
     )
     rid = ("chatcmpl-" if chat else "cmpl-") + trace_of(request.scope).request_id
     fan = await fan_out(request, rid, ids, params, body.n, body.cache_salt, body.priority)
