@@ -95,7 +95,7 @@ def launch(system: str, port: int, threads: int, arithmetic: str) -> tuple[list[
     spec = system.removeprefix("llama-")
     llama = Path(default_peers_dir()) / "bin" / "llama-server"
     argv = [str(llama), "-m", MODEL_PATH[0], "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-            "-tb", str(threads), "-np", "32", "-c", str(32 * 2048), "-cb", "--no-cache-prompt"]
+            "-tb", str(threads), "-np", "1", "-c", "8192", "--no-cache-prompt"]  # one stream: one slot
     if spec != "none":
         argv += ["--spec-type", spec]
     return argv, {}
