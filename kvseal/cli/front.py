@@ -82,9 +82,9 @@ def http_app(backend: Any, scfg: ServerConfig, engine: Engine | None = None, emb
     """The app with /metrics (and the engine's own figures when it runs in this process) and /doctor/probe. A
     router's (engine None) imports no torch: tests/unit/test_house.py starts one and checks."""
     from kvseal.api.app import build_app
+    from kvseal.api.routes.probe import install_probe
     from kvseal.metrics.router import MeteredBackend, RouterMetrics
     from kvseal.metrics.router import install as install_metrics
-    from kvseal.router.probe import install_probe
 
     metrics = RouterMetrics(backend)
     if engine is not None:
