@@ -95,8 +95,9 @@ class DecodeConnector(Reserving):
         return res.page_ids[: manifest.num_pages]
 
     def accept_landed(self, manifest: KVManifest, check: bool = True) -> None:
-        """The claimed pages hold the arrived bytes and nothing more can land in them: verify the page
-        checksums in place (seal 4) and admit; on a mismatch the request FAILS, pages scrubbed and freed."""
+        """The claimed pages hold the arrived bytes and nothing more can land in them: verify them where they lie
+        (seal 4: every check again, the page checksums over the pages themselves) and admit; on a mismatch the request
+        FAILS, pages scrubbed and freed."""
         rid = manifest.request_id
         seq = self._end_landing(rid)
         if seq is None:
