@@ -96,8 +96,8 @@ class DecodeConnector(Reserving):
 
     def accept_landed(self, manifest: KVManifest, check: bool = True) -> None:
         """The claimed pages hold the arrived bytes and nothing more can land in them: verify them where they lie
-        (seal 4: every check again, the page checksums over the pages themselves) and admit; on a mismatch the request
-        FAILS, pages scrubbed and freed."""
+        (seal 4: the claim ran the checks that read no byte; now every page checksum) and admit; on a mismatch the
+        request FAILS, pages scrubbed and freed."""
         rid = manifest.request_id
         seq = self._end_landing(rid)
         if seq is None:

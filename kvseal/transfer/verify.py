@@ -5,7 +5,8 @@ transfer/checksums.py the checksums).
 An arrival is checked by one call, `verify`, whether its pages came as a staged copy (`PagePayload`, checked before
 a byte of it enters a reserved page) or landed in the reserved pages themselves (`PoolPages`, checked there before
 the request may read them). A transport that writes into the reserved pages asks first (`verify_identity`): every
-check that reads no KV byte, so that a manifest that does not name this reservation moves nothing.
+check that reads no KV byte, so that a manifest that does not name this reservation moves nothing; what landed is
+then checked by `verify` for the rest.
 """
 
 from __future__ import annotations
@@ -32,16 +33,20 @@ def verify(manifest: KVManifest, reservation: Reservation, pages: PagePayload | 
     `expected_fingerprint` and `page_bytes` (see page_nbytes) describe the receiving worker's own model
     and pool. The first token and its logprobs must match their checksum; with `vocab_size` (the receiving
     model's) they are also range-checked against the request's `logprobs` (None: it asked for none), since
-    decode emits that token and feeds it to the next step. Cheap checks first; the checksums, computed in one
-    place over the first token and every byte of every page, last.
+    decode emits that token and feeds it to the next step. Pages that landed in the reserved pages themselves
+    (`PoolPages`) were claimed first: every check that reads no KV byte ran then (verify_identity, before a byte
+    could land), and here the rest. Cheap checks first; the checksums, computed in one place, last.
     """
     m = manifest
-    _check_fields(m, reservation, expected_fingerprint, vocab_size, logprobs)
+    if isinstance(pages, PagePayload):
+        _check_fields(m, reservation, expected_fingerprint, vocab_size, logprobs)
     _check_extent(m, reservation, pages, page_bytes)
-    first = first_token_checksum(m.first_token, m.first_logprob, m.first_top)
-    sums = (pool_checksums(pages.k, pages.v, pages.page_ids) if isinstance(pages, PoolPages)
-            else packed_checksums(pages.k, pages.v, pages.num_pages))
-    _same(m, "first_checksum", first, m.first_checksum)
+    if isinstance(pages, PoolPages):
+        sums = pool_checksums(pages.k, pages.v, pages.page_ids)
+    else:
+        first = first_token_checksum(m.first_token, m.first_logprob, m.first_top)
+        sums = packed_checksums(pages.k, pages.v, pages.num_pages)
+        _same(m, "first_checksum", first, m.first_checksum)
     _check_sums(m, reservation, sums)
 
 
