@@ -67,7 +67,7 @@ def pool_checksums(k: torch.Tensor, v: torch.Tensor, page_ids: Sequence[int]) ->
     num_layers, num_pages = k.shape[0], k.shape[1]
     if any(not 0 <= p < num_pages for p in page_ids):
         raise ValueError(f"page ids {list(page_ids)} out of range for a pool of {num_pages} pages")
-    block = k[0, 0].numel() * k.element_size() if num_layers else 0  # one page of one layer, in bytes
+    block = k.numel() // (num_layers * num_pages) * k.element_size() if num_pages else 0  # a page of a layer
     kb, vb = _flat_bytes(k), _flat_bytes(v)
     stride = num_pages * block
     out = []
