@@ -54,7 +54,7 @@ from kvseal.transfer.manifest import (
     page_nbytes,
     unpack_into,
 )
-from kvseal.transfer.verify import verify, verify_identity, verify_landed
+from kvseal.transfer.verify import verify, verify_identity
 from kvseal.wire.reservation import Reservation, new_nonce, new_reservation_id
 
 FP = "bench-fingerprint"
@@ -139,7 +139,8 @@ def _receiver(mode: str, shape: Shape, pool_pages: int, reservations: list[bytes
                 arrival.reply(False, arrival.error)
             elif arrival.landed is not None:
                 if check:
-                    verify_landed(arrival.manifest, res, arrival.landed)
+                    verify(arrival.manifest, res, arrival.landed, expected_fingerprint=FP,
+                           page_bytes=page_nbytes(pool_k))
                 arrival.reply(True)
             else:
                 assert arrival.payload is not None

@@ -7,6 +7,7 @@ client always gets the *original* error (seal 3), never a re-worded or generic o
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -25,6 +26,7 @@ class ErrorInfo(msgspec.Struct, frozen=True):
 
 PEER_BAD_STATUS = 502  # an error from a peer whose status is not an HTTP error status (a 200): the peer is at fault
 OWN_BAD_STATUS = 500  # the same from this process's own code
+RETRY_AFTER_S = 1  # what a 503 (overloaded, queue full, no worker serving) tells the client to wait
 
 
 def http_error_status(status: int, fallback: int) -> int:
@@ -169,6 +171,18 @@ class RateLimited(KvsealError):
         super().__init__(message, param=param, code=code)
         self.type = kind
         self.retry_after_s = retry_after_s
+
+
+def http_reply(err: KvsealError) -> tuple[int, dict[str, Any], dict[str, str] | None]:
+    """An error as it leaves over HTTP: its status (never a 2xx/3xx), its OpenAI-shaped body, and its headers: a 503
+    says when to retry, a 429 when the same request would pass (as OpenAI's clients read it), or that it never will."""
+    status = http_error_status(err.status, OWN_BAD_STATUS)
+    headers = {"retry-after": str(RETRY_AFTER_S)} if status == 503 else None
+    if isinstance(err, RateLimited):
+        wait = err.retry_after_s
+        headers = ({"x-should-retry": "false"} if wait is None else
+                   {"retry-after": str(max(1, math.ceil(wait))), "retry-after-ms": str(max(1, math.ceil(wait * 1000)))})
+    return status, err.to_openai(), headers
 
 
 def _subclasses(cls: type[KvsealError]) -> list[type[KvsealError]]:

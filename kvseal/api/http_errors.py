@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,28 +10,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvseal.errors import (
-    OWN_BAD_STATUS,
-    InvalidRequest,
-    KvsealError,
-    NotFound,
-    RateLimited,
-    http_error_status,
-)
+from kvseal.errors import InvalidRequest, KvsealError, NotFound, http_reply
 from kvseal.tenancy.requestlog import trace_of
 from kvseal.wire.messages import GenerateDelta
 
-RETRY_AFTER_S = 1  # what a 503 (overloaded, queue full, no worker serving) tells the client to wait
-
 
 def error_response(err: KvsealError) -> JSONResponse:
-    status = http_error_status(err.status, OWN_BAD_STATUS)  # an error body never goes out with a 2xx/3xx
-    headers = {"retry-after": str(RETRY_AFTER_S)} if status == 503 else None
-    if isinstance(err, RateLimited):  # 429: when the same request would pass, as OpenAI's clients read it
-        wait = err.retry_after_s
-        headers = ({"x-should-retry": "false"} if wait is None else
-                   {"retry-after": str(max(1, math.ceil(wait))), "retry-after-ms": str(max(1, math.ceil(wait * 1000)))})
-    return JSONResponse(err.to_openai(), status_code=status, headers=headers)
+    status, body, headers = http_reply(err)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def failed(request: Request, err: KvsealError, last: GenerateDelta | None = None) -> JSONResponse:

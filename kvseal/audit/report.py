@@ -119,15 +119,6 @@ def build_report(results: list[Result], secrets: dict[str, int], strict: bool, m
     violations, consistency = find_violations(results, secrets, strict)
     echo_bands, ignored = echo_by_length(results)
     violations += ignored
-    kinds = sorted({kind_of(r) for r in results})
-    by_kind: dict[str, Any] = {}
-    for k in kinds:
-        rs = [r for r in results if kind_of(r) == k]
-        lat = [r.latency_s for r in rs if r.status == 200 and r.latency_s is not None]
-        ttft = [r.ttft_s for r in rs if r.ttft_s is not None]
-        by_kind[k] = {"sent": len(rs), "statuses": dict(Counter(status_bucket(r) for r in rs)),
-                      "latency_median_s": quantile(lat, 0.5), "latency_p99_s": quantile(lat, 0.99),
-                      "ttft_median_s": quantile(ttft, 0.5)}
     canaries = [r for r in results if r.spec.secret and not r.spec.over_window and r.status == 200
                 and r.outcome == "ok"]
     echoed = sum(contains_secret(r.text, r.spec.secret or "") for r in canaries)
@@ -140,7 +131,7 @@ def build_report(results: list[Result], secrets: dict[str, int], strict: bool, m
         **meta,
         "planned": planned, "completed": completed,
         "cancelled": sum(r.outcome == "cancelled" for r in results),
-        "by_kind": by_kind,
+        "by_kind": _by_kind(results),
         "canary_echo": {"answered": len(canaries), "echoed_own_secret": echoed,
                         "rate": echoed / len(canaries) if canaries else None, "by_length": echo_bands},
         "leaks": sum(v["kind"] == "leak" for v in violations),
@@ -162,9 +153,31 @@ def build_report(results: list[Result], secrets: dict[str, int], strict: bool, m
         notes.append("no in-window canary request was answered 200: nothing to check for leaks")
     else:
         verdict, code = "PASS", 0
-    rate = report["canary_echo"]["rate"]
-    if rate is not None and rate < LOW_ECHO:
-        notes.append(f"canary echo rate {rate:.0%} is low: the model rarely repeats its own secret, so a leak "
+    notes += _caveats(report["canary_echo"]["rate"], rejected_in, failed_in, bool(consistency["rate"]) and not strict)
+    report.update(verdict=verdict, exit_code=code, notes=notes,
+                  requests=[_record(r) for r in sorted(results, key=lambda r: r.spec.index)])
+    return report
+
+
+def _by_kind(results: list[Result]) -> dict[str, Any]:
+    """Per kind of request: how many were sent, their statuses, and their latencies."""
+    by_kind: dict[str, Any] = {}
+    for k in sorted({kind_of(r) for r in results}):
+        rs = [r for r in results if kind_of(r) == k]
+        lat = [r.latency_s for r in rs if r.status == 200 and r.latency_s is not None]
+        ttft = [r.ttft_s for r in rs if r.ttft_s is not None]
+        by_kind[k] = {"sent": len(rs), "statuses": dict(Counter(status_bucket(r) for r in rs)),
+                      "latency_median_s": quantile(lat, 0.5), "latency_p99_s": quantile(lat, 0.99),
+                      "ttft_median_s": quantile(ttft, 0.5)}
+    return by_kind
+
+
+def _caveats(echo_rate: float | None, rejected_in: list[Result], failed_in: list[Result], changed: bool) -> list[str]:
+    """What weakens the verdict, whatever it is: a low echo rate, in-window prompts refused or failed, greedy answers
+    that changed under load (`changed`: and that is no violation)."""
+    notes = []
+    if echo_rate is not None and echo_rate < LOW_ECHO:
+        notes.append(f"canary echo rate {echo_rate:.0%} is low: the model rarely repeats its own secret, so a leak "
                      "would show less often; the leak check is weaker than it looks")
     if rejected_in:
         notes.append(f"{len(rejected_in)} in-window prompts were rejected with a 4xx (sizing estimate too large, "
@@ -174,11 +187,9 @@ def build_report(results: list[Result], secrets: dict[str, int], strict: bool, m
         notes.append(f"{len(failed_in)} in-window requests failed with a 5xx ("
                      + ", ".join(f"{n}x {k}" for k, n in codes.most_common()) + "); if the server is overloaded, "
                      "a lower --concurrency lets more canaries through")
-    if consistency["rate"] and not strict:
+    if changed:
         notes.append("greedy answers changed under load (not a violation without --strict)")
-    report.update(verdict=verdict, exit_code=code, notes=notes,
-                  requests=[_record(r) for r in sorted(results, key=lambda r: r.spec.index)])
-    return report
+    return notes
 
 
 def _record(r: Result) -> dict[str, Any]:

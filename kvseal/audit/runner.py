@@ -159,47 +159,54 @@ async def _send(client: httpx.AsyncClient, spec: RequestSpec, body: dict[str, An
             raw = await r.aread()
             res.latency_s = time.monotonic() - t0
             return _error_result(res, r.status_code, raw)
-        res.status, done, errored, parts = 200, False, False, []
+        res.status = 200
+        parts: list[str] = []
         try:
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                try:
-                    obj = json.loads(data)
-                    if not isinstance(obj, dict):
-                        raise TypeError("not an object")
-                except (ValueError, TypeError):
-                    res.problems.append(f"stream chunk is not a JSON object: {data[:120]!r}")
-                    continue
-                if "error" in obj or obj.get("object") == "error":
-                    errored = True
-                    problem = error_problem(obj)
-                    if problem:
-                        res.problems.append(f"stream error event: {problem}")
-                    res.error = obj.get("error") if isinstance(obj.get("error"), dict) else {"raw": obj}
-                    break
-                if isinstance(obj.get("usage"), dict):
-                    res.prompt_tokens = obj["usage"].get("prompt_tokens")
-                try:
-                    piece, finish = _choice_text(obj, chat, True)
-                except (ValueError, AttributeError, TypeError) as exc:
-                    res.problems.append(f"stream chunk is not an OpenAI chunk: {exc}")
-                    continue
-                if piece and res.ttft_s is None:
-                    res.ttft_s = time.monotonic() - t0
-                parts.append(piece)
-                res.finish_reason = finish or res.finish_reason
+            done, errored = await _read_stream(r, chat, t0, res, parts)
         except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            done, errored = False, False
             res.problems.append(f"stream broke off: {exc!r}")
         res.text, res.latency_s = "".join(parts), time.monotonic() - t0
         if not done and not errored:
             res.problems.append("stream ended without [DONE] and without an error event")
         res.outcome = "ok" if done else "stream_error"
         return res
+
+
+async def _read_stream(r: httpx.Response, chat: bool, t0: float, res: Result, parts: list[str]) -> tuple[bool, bool]:
+    """A streamed answer's events into `parts` (its text so far) and res: (ended with [DONE], ended with an error
+    event). Raises what the connection raises when it breaks off."""
+    async for line in r.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return True, False
+        try:
+            obj = json.loads(data)
+            if not isinstance(obj, dict):
+                raise TypeError("not an object")
+        except (ValueError, TypeError):
+            res.problems.append(f"stream chunk is not a JSON object: {data[:120]!r}")
+            continue
+        if "error" in obj or obj.get("object") == "error":
+            problem = error_problem(obj)
+            if problem:
+                res.problems.append(f"stream error event: {problem}")
+            res.error = obj.get("error") if isinstance(obj.get("error"), dict) else {"raw": obj}
+            return False, True
+        if isinstance(obj.get("usage"), dict):
+            res.prompt_tokens = obj["usage"].get("prompt_tokens")
+        try:
+            piece, finish = _choice_text(obj, chat, True)
+        except (ValueError, AttributeError, TypeError) as exc:
+            res.problems.append(f"stream chunk is not an OpenAI chunk: {exc}")
+            continue
+        if piece and res.ttft_s is None:
+            res.ttft_s = time.monotonic() - t0
+        parts.append(piece)
+        res.finish_reason = finish or res.finish_reason
+    return False, False
 
 
 async def run_one(client: httpx.AsyncClient, spec: RequestSpec, sizing: Sizing, model: str, seed: int,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +76,21 @@ def serve_http(backend: Any, scfg: ServerConfig, log_level: str, engine: Engine 
     import uvicorn
 
     app = http_app(backend, scfg, engine, embedder)
-    uvicorn.run(app, host=scfg.host, port=scfg.port, log_level=log_level, timeout_graceful_shutdown=5)
+    # uvicorn stops gracefully on SIGTERM, then raises it again for the handler that was there before it: the
+    # default one would end this process there, before its caller's cleanup (`kvseal serve` drains and stops its
+    # workers, the ledger closes). Meanwhile that handler is this no-op: the stop returns here, and the caller's
+    # cleanup runs. (SIGINT's KeyboardInterrupt, uvicorn.run itself swallows.)
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _stopped) if main else None
+    try:
+        uvicorn.run(app, host=scfg.host, port=scfg.port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _stopped(sig: int, frame: object) -> None:
+    """SIGTERM, raised again by uvicorn once it has stopped: nothing left to do but return."""
 
 
 def http_app(backend: Any, scfg: ServerConfig, engine: Engine | None = None, embedder: EmbedClient | None = None,
@@ -82,9 +98,9 @@ def http_app(backend: Any, scfg: ServerConfig, engine: Engine | None = None, emb
     """The app with /metrics (and the engine's own figures when it runs in this process) and /doctor/probe. A
     router's (engine None) imports no torch: tests/unit/test_house.py starts one and checks."""
     from kvseal.api.app import build_app
+    from kvseal.api.routes.probe import install_probe
     from kvseal.metrics.router import MeteredBackend, RouterMetrics
     from kvseal.metrics.router import install as install_metrics
-    from kvseal.router.probe import install_probe
 
     metrics = RouterMetrics(backend)
     if engine is not None:

@@ -18,7 +18,7 @@ from kvseal.errors import ErrorInfo, KvsealError, TransferVerificationFailed, Wo
 from kvseal.lifecycle import State
 from kvseal.transfer.base import Arrival
 from kvseal.transfer.manifest import KVManifest, PagePayload, PoolPages, page_nbytes, unpack_into
-from kvseal.transfer.verify import verify, verify_identity, verify_landed, verify_names
+from kvseal.transfer.verify import NAMES, verify, verify_identity
 from kvseal.wire.messages import TokenLogprob
 from kvseal.wire.reservation import Reservation
 from kvseal.wire.roles import Role
@@ -74,7 +74,7 @@ class DecodeConnector(Reserving):
         for the sender's nack; an arrival for no live reservation (never made, released, expired, failed, already
         used) is refused and changes nothing. `check` is False only under the test-only incident fault (hooks.py):
         the KV is used unverified."""
-        seq, res = self._take_reservation(manifest, check)
+        seq, res = self._reserved(manifest.request_id)
         self._use(seq, res, manifest, payload, check)
 
     def claim(self, manifest: KVManifest, check: bool = True) -> list[int]:
@@ -82,21 +82,22 @@ class DecodeConnector(Reserving):
         KV byte first (a manifest that does not name this reservation moves nothing; on a mismatch the request
         FAILS), then the pages are pinned until `accept_landed` or `landing_failed`. Returns them."""
         e = self.engine
-        seq, res = self._take_reservation(manifest, check)
+        seq, res = self._reserved(manifest.request_id)
         try:
             if check:
                 verify_identity(manifest, res, expected_fingerprint=e.kv_spec.model_fingerprint,
                                 vocab_size=e.arch.vocab_size, logprobs=seq.params.logprobs)
         except TransferVerificationFailed as err:
-            self._verified(seq, "failed", manifest, None, err.field)
-            self.release(seq.request_id, err, rejected=False)
+            self._refused(seq, manifest, None, err)
             raise
+        self._used(seq)
         seq.landing = True
         return res.page_ids[: manifest.num_pages]
 
     def accept_landed(self, manifest: KVManifest, check: bool = True) -> None:
-        """The claimed pages hold the arrived bytes and nothing more can land in them: verify the page
-        checksums in place (seal 4) and admit; on a mismatch the request FAILS, pages scrubbed and freed."""
+        """The claimed pages hold the arrived bytes and nothing more can land in them: verify them where they lie
+        (seal 4: the claim ran the checks that read no byte; now every page checksum) and admit; on a mismatch the
+        request FAILS, pages scrubbed and freed."""
         rid = manifest.request_id
         seq = self._end_landing(rid)
         if seq is None:
@@ -113,43 +114,52 @@ class DecodeConnector(Reserving):
         FAILS (pages scrubbed and freed) and the error is raised for the sender's nack."""
         e = self.engine
         try:
-            if check and isinstance(pages, PoolPages):  # in place: the checks that read no byte ran at the claim
-                verify_landed(manifest, res, pages)
-            elif check and isinstance(pages, PagePayload):
+            if check:
                 verify(manifest, res, pages, expected_fingerprint=e.kv_spec.model_fingerprint,
                        page_bytes=page_nbytes(e.pool.k), vocab_size=e.arch.vocab_size,
                        logprobs=seq.params.logprobs)
+            if isinstance(pages, PagePayload):  # a staged copy enters the reserved pages only once it matched
+                unpack_into(e.pool.k, e.pool.v, res.page_ids[: pages.num_pages], pages)
         except TransferVerificationFailed as err:
-            self._verified(seq, "failed", manifest, pages, err.field)
-            self.release(seq.request_id, err, rejected=False)
+            self._refused(seq, manifest, pages, err)
             raise
         self._verified(seq, "ok" if check else "unverified", manifest, pages)
-        if isinstance(pages, PagePayload):
-            unpack_into(e.pool.k, e.pool.v, res.page_ids[: pages.num_pages], pages)
         if e.forensics is not None:
             e.forensics.transferred(seq, res.page_ids[: pages.num_pages], manifest.num_tokens)
         self._admit_arrived(seq, manifest)
+
+    def _refused(self, seq: Sequence, m: KVManifest, pages: PagePayload | PoolPages | None,
+                 err: TransferVerificationFailed) -> None:
+        """An arrival failed its check. One that does not name the reservation (NAMES: not from the prefill worker
+        the router chose) changes nothing while no byte may have landed: the request keeps waiting for its own KV.
+        Any other mismatch FAILS the request, its pages scrubbed and freed."""
+        if err.field in NAMES and seq.life.state is State.RESERVED:
+            return
+        self._used(seq)  # it ends in the handoff (the stage its error names)
+        self._verified(seq, "failed", m, pages, err.field)
+        self.release(seq.request_id, err, rejected=False)
 
     def landing_failed(self, request_id: str, error: KvsealError) -> None:
         """The claimed pages' bytes did not all arrive, and nothing can land any more: FAIL, scrub and free."""
         if self._end_landing(request_id) is not None:
             self.release(request_id, error, rejected=False)
 
-    def _take_reservation(self, manifest: KVManifest, check: bool) -> tuple[Sequence, Reservation]:
-        """The live reservation the arrival names, used (TRANSFERRING). An arrival that does not name it (wrong
-        reservation id or nonce: not from the prefill worker the router chose) is refused and changes nothing: the
-        request keeps waiting for its own KV."""
-        rid = manifest.request_id
+    def _reserved(self, rid: str) -> tuple[Sequence, Reservation]:
+        """The live reservation an arrival is for, not yet used by another arrival (one arrival per reservation)."""
         seq = self.engine.requests.live(rid)
         res = None if seq is None else seq.reservation
         if seq is None or res is None or seq.life.state is not State.RESERVED:
             err = TransferVerificationFailed(f"KV arrived for request {rid!r}, which holds no reservation here")
             err.field = "reservation"
             raise err
-        if check:
-            verify_names(manifest, res)
-        seq.life.advance(State.TRANSFERRING)  # one arrival per reservation: a second one finds it used
         return seq, res
+
+    @staticmethod
+    def _used(seq: Sequence) -> None:
+        """An arrival that names seq's reservation uses it (TRANSFERRING), whatever its check finds: one arrival per
+        reservation, a second one finds none."""
+        if seq.life.state is State.RESERVED:
+            seq.life.advance(State.TRANSFERRING)
 
     def _end_landing(self, rid: str) -> Sequence | None:
         """The landing of rid's KV is over. None if the request ended meanwhile: its pages are freed now."""
@@ -173,6 +183,7 @@ class DecodeConnector(Reserving):
         started compiling at the reservation, is ready; meanwhile seq waits, its KV held)."""
         lp = None if m.first_logprob is None else TokenLogprob(m.first_token, m.first_logprob, list(m.first_top))
         seq.reservation = None
+        self._used(seq)  # a staged copy arrives and is checked in one step
         seq.life.advance(State.VERIFIED)
         seq.num_computed = len(seq.prompt_ids)
         self.engine.with_grammar(seq, partial(self.engine.join_batch, seq, m.first_token, lp))

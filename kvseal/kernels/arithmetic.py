@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvseal.model.arch import ModelArch
+from kvseal.kernels.build import ArchShape
 
 CHOICES = ("auto", "exact", "fast")
 
@@ -47,7 +47,7 @@ class Arithmetic:
         return "fast/int8" if self.fast else f"exact/{self.kernels}"
 
 
-def fast_blockers(kernels: str, arch: ModelArch, page_size: int, block_types: dict[int, str] | None = None
+def fast_blockers(kernels: str, arch: ArchShape, page_size: int, block_types: dict[int, str] | None = None
                   ) -> list[str]:
     """Why the fast arithmetic cannot run here (empty when it can). block_types: the GGML types (id -> name) the
     checkpoint keeps as blocks (Checkpoint.block_types). Every architecture's layers run (model/llama.py)."""
@@ -68,7 +68,7 @@ def fast_blockers(kernels: str, arch: ModelArch, page_size: int, block_types: di
     return reasons
 
 
-def resolve_arithmetic(requested: str, kernels: str, kernels_why: str, arch: ModelArch,
+def resolve_arithmetic(requested: str, kernels: str, kernels_why: str, arch: ArchShape,
                        page_size: int, block_types: dict[int, str] | None = None) -> Arithmetic:
     """The arithmetic for --arithmetic `requested`, given the resolved kernel set. An explicit "fast" that cannot
     run is a ValueError naming why; "auto" falls back to exact and says why."""

@@ -20,14 +20,28 @@ import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-
-from kvseal.model.arch import ModelArch
+from typing import Protocol
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "dequant.c", "qpack.c", "qgemm.c", "qunpack.c",
                                                      "qamx.c", "peak.c", "attention.c", "forward.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("kvs.h", "qgemm.h", "qtile.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-D_ISOC11_SOURCE")
 CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+class ArchShape(Protocol):
+    """What the kernels ask of a model's architecture (model/arch.py's ModelArch): the shapes they must divide."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -147,7 +161,7 @@ def load() -> ctypes.CDLL:
     return lib
 
 
-def resolve(requested: str, device: str, dtype: str, arch: ModelArch) -> tuple[str, str]:
+def resolve(requested: str, device: str, dtype: str, arch: ArchShape) -> tuple[str, str]:
     """("native" | "torch", why) for --kernels `requested` on this device and dtype, for this model.
 
     native needs the CPU, float32, a head_dim that is a multiple of 8 up to 256, at most 64 query heads per kv

@@ -41,6 +41,10 @@ static inline int64_t kvs_row_bytes_of(int type, int64_t K) {
     if (e < 0 || K <= 0 || K % QK || K % e) return -1;
     return K / e * kvs_block_size(type);
 }
+/* Bytes per block of 32 inputs unpacked by the fast kernels (qunpack.c; qamx.c reads them): 8 rows of 64 (Q6_K: lo
+   rows | 256 zero bytes | hi rows, so that AMX reads its two half tiles at 0 and 256), then D and M (Q6_K: D, sca,
+   scb) x 16 floats */
+static inline int64_t kvs_qup_block_bytes(int type) { return type == QT_Q6_K ? 768 + 192 : 512 + 128; }
 
 #define KVS_MAXSEG 4
 /* A matrix (N, K) as up to KVS_MAXSEG row segments, each of one block type (q|k|v with v in another type):

@@ -34,7 +34,6 @@ typedef struct {
     int64_t nb;
 } qtiles;
 
-int64_t kvs_qup_block_bytes(int type);
 void kvs_qup_rows(const qrows *xr, int64_t M, int64_t K, int8_t *qt, float *dxt, float *dxst, int32_t *sx128,
                   int32_t *bslo, int32_t *bshi);
 int64_t kvs_qup_work_bytes(void);

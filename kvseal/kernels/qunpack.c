@@ -24,10 +24,6 @@
 
 #include "qgemm.h"
 
-/* Bytes per block of 32 inputs unpacked: 8 rows of 64 (Q6_K: lo rows | 256 zero bytes | hi rows, so that AMX
-   reads its two half tiles at 0 and 256), then D and M (Q6_K: D, sca, scb) x 16 floats */
-int64_t kvs_qup_block_bytes(int type) { return type == QT_Q6_K ? 768 + 192 : 512 + 128; }
-
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
 

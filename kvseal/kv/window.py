@@ -27,16 +27,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Pages
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from kvseal.kv.allocator import OutOfPages, PageAllocator, pages_for
+from kvseal.kv.allocator import OutOfPages, Owner, PageAllocator, pages_for
 from kvseal.kv.pool import KVPool
 from kvseal.model.arch import ModelArch
 
-if TYPE_CHECKING:
-    from kvseal.engine.sequence import Sequence
+
+class Windowed(Protocol):
+    """What the window pool reads and keeps of a sequence (engine/sequence.py): its owner, how far it computed, and
+    its window table."""
+
+    owner: Owner
+    num_computed: int
+    window_pages: list[int]
+    window_base: int
 
 
 def split_window(windows: tuple[int, ...]) -> int:
@@ -95,7 +102,7 @@ class WindowPages:
         """Index of the first page the next query (at position num_computed) sees: the earlier ones may go."""
         return max(0, num_computed - self.window + 1) // self.page_size
 
-    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+    def grow(self, seq: Windowed, num_tokens: int) -> bool:
         """Window pages for seq's positions up to num_tokens (from window_base on); False if not free now."""
         need = pages_for(num_tokens, self.page_size) - seq.window_base - len(seq.window_pages)
         if need <= 0:
@@ -106,7 +113,7 @@ class WindowPages:
             return False
         return True
 
-    def drop(self, seq: Sequence) -> int:
+    def drop(self, seq: Windowed) -> int:
         """Free (scrubbed) seq's window pages that no later query can see; returns how many. NotOwner (nothing
         changed) if seq does not own them: the runner checked it does before the step."""
         n = min(self.first_needed(seq.num_computed) - seq.window_base, len(seq.window_pages))
@@ -118,18 +125,18 @@ class WindowPages:
         self.pages_dropped += n
         return n
 
-    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+    def shrink(self, seq: Windowed, num_tokens: int) -> None:
         """Free (scrubbed) seq's window pages past position num_tokens: a draft's rejected positions."""
         keep = max(0, pages_for(num_tokens, self.page_size) - seq.window_base)
         if keep < len(seq.window_pages):
             self.allocator.free(seq.owner, seq.window_pages[keep:])
             del seq.window_pages[keep:]
 
-    def owns(self, seq: Sequence) -> bool:
+    def owns(self, seq: Windowed) -> bool:
         """Seal 5 for the window table: every page in it is seq's own (no page here is ever shared)."""
         return self.allocator.owns(seq.owner, seq.window_pages)
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Windowed) -> None:
         """Free every window page seq's key owns (any epoch), scrubbed; the table starts again at position 0."""
         self.allocator.free_all(seq.owner.key)
         seq.window_pages = []

@@ -17,15 +17,26 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Pages
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from kvseal.engine.sequence import Sequence
-from kvseal.kv.allocator import CACHED, FREE, PageAllocator
+from kvseal.kv.allocator import CACHED, FREE, Owner, PageAllocator
 from kvseal.kv.provenance import PageProvenance, Writer
 from kvseal.ledger.store import Ledger, LedgerRow
 from kvseal.transfer.manifest import KVManifest, PagePayload, PoolPages, page_checksums
 
 _UNCLAIMED = Writer("", "", 0, "transfer")
+
+
+class Sequence(Protocol):
+    """What the ledger reads of a request (engine/sequence.py): whose it is, its pages and how far it computed."""
+
+    request_id: str
+    tenant: str
+    cache_ns: int
+    owner: Owner
+    prompt_ids: list[int]
+    pages: list[int]
+    num_computed: int
 
 
 @dataclass

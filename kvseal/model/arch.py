@@ -1,5 +1,5 @@
 """What a model family is: the shapes and the extras each adds to a Llama layer (ModelArch). It imports nothing of
-kvseal's: the kernels, the KV pool and the loaders all read it."""
+kvseal's: the KV pool and the loaders read it, and the kernels ask for its shapes (kernels/build.ArchShape)."""
 
 from __future__ import annotations
 

@@ -71,45 +71,58 @@ def paged_attention(
         out[meta.decode_rows] = paged_decode_attention(q[meta.decode_rows], k_cache, v_cache, meta.decode_pages,
                                                        meta.decode_kv_lens, scale)
     elif meta.decode_rows is not None:
-        assert meta.decode_pages is not None and meta.decode_mask is not None
-        bd, max_pages = meta.decode_pages.shape
-        ctx = max_pages * page_size
-        kd = gather_pages(k_cache, meta.decode_pages).view(bd, ctx, kvh, d).transpose(1, 2)  # (Bd, KVH, ctx, D)
-        vd = gather_pages(v_cache, meta.decode_pages).view(bd, ctx, kvh, d).transpose(1, 2)
-        kd, vd = kd.to(q.dtype), vd.to(q.dtype)
-        qd = q[meta.decode_rows].unsqueeze(2)  # (Bd, H, 1, D)
-        mask: torch.Tensor = meta.decode_mask
-        if window:  # keys at kv_len - window .. kv_len - 1 only
-            assert meta.decode_kv_lens is not None
-            first = (meta.decode_kv_lens - window)[:, None, None, None]
-            mask = mask & (torch.arange(ctx, device=mask.device) >= first)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True, scale=scale)
-        out[meta.decode_rows] = od.squeeze(2)
-
+        out[meta.decode_rows] = _decode_rows(q[meta.decode_rows], k_cache, v_cache, meta, scale, window)
     for span in meta.prefills:
-        first_q = span.kv_len - span.q_len  # the position of the span's first query
-        span_mask = span.mask
-        # keys from `lo` (page aligned) on: with a window, the earlier ones no query of the span sees
-        lo = 0 if window == 0 else max(0, first_q - window + 1) // page_size * page_size
-        pages = span.pages[lo // page_size :]
-        n = pages.shape[0]
-        # (KVH, kv_len - lo, D) each
-        ks = gather_pages(k_cache, pages).view(n * page_size, kvh, d)[: span.kv_len - lo].transpose(0, 1)
-        vs = gather_pages(v_cache, pages).view(n * page_size, kvh, d)[: span.kv_len - lo].transpose(0, 1)
-        ks, vs = ks.to(q.dtype), vs.to(q.dtype)
-        qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # (H, q_len, D)
-        if window and span.kv_len > window:  # (q_len, kv_len - lo): causal, and within the window
-            qpos = torch.arange(first_q, span.kv_len, device=q.device)[:, None]
-            kpos = torch.arange(lo, span.kv_len, device=q.device)[None, :]
-            span_mask = (kpos <= qpos) & (kpos > qpos - window)
-        elif span_mask is not None:
-            span_mask = span_mask[:, lo:]
-        if span_mask is None:
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=scale)
-        else:
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span_mask, enable_gqa=True, scale=scale)
-        out[span.q_start : span.q_start + span.q_len] = os_.transpose(0, 1)
+        out[span.q_start : span.q_start + span.q_len] = _span(q, k_cache, v_cache, span, scale, window)
     return out
+
+
+def _decode_rows(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta, scale: float,
+                 window: int) -> torch.Tensor:
+    """qd (Bd, H, D), the single-query rows, through torch: each row's pages gathered, keys past its length (and
+    before its window) masked. -> (Bd, H, D)"""
+    assert meta.decode_pages is not None and meta.decode_mask is not None
+    _, page_size, kvh, d = k_cache.shape
+    bd, max_pages = meta.decode_pages.shape
+    ctx = max_pages * page_size
+    kd = gather_pages(k_cache, meta.decode_pages).view(bd, ctx, kvh, d).transpose(1, 2)  # (Bd, KVH, ctx, D)
+    vd = gather_pages(v_cache, meta.decode_pages).view(bd, ctx, kvh, d).transpose(1, 2)
+    kd, vd = kd.to(qd.dtype), vd.to(qd.dtype)
+    mask: torch.Tensor = meta.decode_mask
+    if window:  # keys at kv_len - window .. kv_len - 1 only
+        assert meta.decode_kv_lens is not None
+        first = (meta.decode_kv_lens - window)[:, None, None, None]
+        mask = mask & (torch.arange(ctx, device=mask.device) >= first)
+    od = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=True, scale=scale)
+    return od.squeeze(2)  # (Bd, H, 1, D) -> (Bd, H, D)
+
+
+def _span(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: PrefillSpan, scale: float,
+          window: int) -> torch.Tensor:
+    """One prompt chunk's rows of q (T, H, D): causal over its context, within the window if any. -> (q_len, H, D)"""
+    _, page_size, kvh, d = k_cache.shape
+    first_q = span.kv_len - span.q_len  # the position of the span's first query
+    span_mask = span.mask
+    # keys from `lo` (page aligned) on: with a window, the earlier ones no query of the span sees
+    lo = 0 if window == 0 else max(0, first_q - window + 1) // page_size * page_size
+    pages = span.pages[lo // page_size :]
+    n = pages.shape[0]
+    # (KVH, kv_len - lo, D) each
+    ks = gather_pages(k_cache, pages).view(n * page_size, kvh, d)[: span.kv_len - lo].transpose(0, 1)
+    vs = gather_pages(v_cache, pages).view(n * page_size, kvh, d)[: span.kv_len - lo].transpose(0, 1)
+    ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+    qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # (H, q_len, D)
+    if window and span.kv_len > window:  # (q_len, kv_len - lo): causal, and within the window
+        qpos = torch.arange(first_q, span.kv_len, device=q.device)[:, None]
+        kpos = torch.arange(lo, span.kv_len, device=q.device)[None, :]
+        span_mask = (kpos <= qpos) & (kpos > qpos - window)
+    elif span_mask is not None:
+        span_mask = span_mask[:, lo:]
+    if span_mask is None:
+        os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=scale)
+    else:
+        os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span_mask, enable_gqa=True, scale=scale)
+    return os_.transpose(0, 1)
 
 
 def window_attention_kt(

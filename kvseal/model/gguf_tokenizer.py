@@ -100,31 +100,7 @@ def tokenizer_from_gguf_reader(reader: GGUFFile) -> Tokenizer:
     if not merges:
         raise ValueError("GGUF has no tokenizer.ggml.merges; a byte-level BPE tokenizer needs them")
 
-    spelling = bytes_to_unicode()
-    alphabet = set(spelling.values())
-    outside = re.compile("[^" + "".join(re.escape(c) for c in sorted(alphabet)) + "]")  # a C-speed check
-
-    def respell(token: str) -> str:
-        return "".join(spelling[b] for b in token.encode("utf-8"))
-
-    vocab = {respell(t) if outside.search(t) else t: i for i, t in enumerate(tokens)}
-    split = [m.split(" ") for m in merges]
-    bad = next((m for m, pair in zip(merges, split) if len(pair) != 2), None)
-    if bad is not None:
-        raise ValueError(f"GGUF tokenizer.ggml.merges entry {bad!r} is not two tokens separated by one space")
-    merge_pairs = [(a, b) for a, b in split]
-    bpe = models.BPE(
-        vocab=vocab,
-        merges=merge_pairs,
-        dropout=None,
-        continuing_subword_prefix="",
-        end_of_word_suffix="",
-        fuse_unk=False,
-    )
-    backend = tokenizers.Tokenizer(bpe)
-    backend.pre_tokenizer = _pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre"))
-    backend.decoder = decoders.ByteLevel()
-
+    backend, vocab, alphabet = _bpe(reader, tokens, merges)
     n = len(tokens)
     bos_id = _token_id(reader, "tokenizer.ggml.bos_token_id", n)
     eos_id = _token_id(reader, "tokenizer.ggml.eos_token_id", n)
@@ -154,6 +130,37 @@ def tokenizer_from_gguf_reader(reader: GGUFFile) -> Tokenizer:
         bos_token=tokens[bos_id] if bos_id is not None else None,
         eos_token=tokens[eos_id] if eos_id is not None else None,
     )
+
+
+def _bpe(reader: GGUFFile, tokens: list[str], merges: list[str]) -> tuple[tokenizers.Tokenizer, dict[str, int],
+                                                                         set[str]]:
+    """The byte-level BPE of the GGUF's tokens and merges: the backend, its vocabulary (tokens spelled in the
+    byte alphabet) and that alphabet."""
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    outside = re.compile("[^" + "".join(re.escape(c) for c in sorted(alphabet)) + "]")  # a C-speed check
+
+    def respell(token: str) -> str:
+        return "".join(spelling[b] for b in token.encode("utf-8"))
+
+    vocab = {respell(t) if outside.search(t) else t: i for i, t in enumerate(tokens)}
+    split = [m.split(" ") for m in merges]
+    bad = next((m for m, pair in zip(merges, split) if len(pair) != 2), None)
+    if bad is not None:
+        raise ValueError(f"GGUF tokenizer.ggml.merges entry {bad!r} is not two tokens separated by one space")
+    merge_pairs = [(a, b) for a, b in split]
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=merge_pairs,
+        dropout=None,
+        continuing_subword_prefix="",
+        end_of_word_suffix="",
+        fuse_unk=False,
+    )
+    backend = tokenizers.Tokenizer(bpe)
+    backend.pre_tokenizer = _pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre"))
+    backend.decoder = decoders.ByteLevel()
+    return backend, vocab, alphabet
 
 
 def _spm_tokenizer(reader: GGUFFile) -> Tokenizer:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvseal.api.http_errors import error_response
-from kvseal.errors import KvsealError, PayloadTooLarge, RateLimited
+from kvseal.errors import KvsealError, PayloadTooLarge, RateLimited, http_reply
 
 DRAIN_BYTES = 256 * 2**20
 DRAIN_SECONDS = 30.0
@@ -97,9 +97,9 @@ class BodyLimit:
 
 
 async def _reject(err: KvsealError, scope: Scope, receive: Receive, send: Send) -> None:
-    response = error_response(err)
-    response.headers["connection"] = "close"  # what is left of the body was drained, or is not worth reading
-    await response(scope, receive, send)
+    status, body, headers = http_reply(err)
+    # what is left of the body was drained, or is not worth reading
+    await JSONResponse(body, status, {**(headers or {}), "connection": "close"})(scope, receive, send)
 
 
 async def _drain(receive: Receive) -> None:

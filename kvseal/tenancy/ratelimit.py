@@ -10,10 +10,10 @@ released exactly once, when the response is over, whatever its outcome (the clie
 
 from __future__ import annotations
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvseal.api.http_errors import error_response
-from kvseal.errors import RateLimited, StateUnavailable
+from kvseal.errors import RateLimited, StateUnavailable, http_reply
 from kvseal.tenancy.limits import Lease
 from kvseal.tenancy.state import Limits
 
@@ -42,7 +42,8 @@ class RateLimits:
         try:
             lease = await self.limiter.admit(tenant)
         except (RateLimited, StateUnavailable) as err:  # StateUnavailable: the shared state is down, fail closed
-            await error_response(err)(scope, receive, with_headers)
+            status, body, headers = http_reply(err)
+            await JSONResponse(body, status, headers)(scope, receive, with_headers)
             return
         state["rate_lease"] = lease
         try:

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from kvseal.config import TenantPolicy
 from kvseal.errors import RateLimited, StateUnavailable
 from kvseal.tenancy.limits import Lease, duration
-from kvseal.tenancy.redis_state import PREFIX, Sealer
+from kvseal.tenancy.sealer import PREFIX, Sealer
 
 log = logging.getLogger("kvseal.state")
 

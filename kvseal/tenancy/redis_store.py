@@ -1,7 +1,7 @@
 """Stored responses in Redis: every router reads what any router stored, each tenant in its own partition, sealed.
 
 The same rules as tenancy/response_store.py, kept in Redis:
-- an entry `kvseal:resp:<entry_of(tenant, id)>` holds the entry sealed with the tenant's key (redis_state.Sealer)
+- an entry `kvseal:resp:<entry_of(tenant, id)>` holds the entry sealed with the tenant's key (sealer.Sealer)
   and expires after the TTL;
 - per tenant (`name_of(tenant)`): a sorted set of its entries by last use and a hash of their sizes; a put evicts
   the tenant's own least recently used entries until its entries and bytes fit its budget, in one Lua script.
@@ -20,8 +20,8 @@ from cryptography.exceptions import InvalidTag
 from redis.exceptions import RedisError
 
 from kvseal.errors import StateUnavailable
-from kvseal.tenancy.redis_state import PREFIX, Sealer
 from kvseal.tenancy.response_store import TTL_S, StoreBudget, Stored, entry_size
+from kvseal.tenancy.sealer import PREFIX, Sealer
 
 SEQ = f"{PREFIX}uses"
 # KEYS: entry, the tenant's LRU set (scored by a counter of uses: the order of uses, even within a millisecond), its

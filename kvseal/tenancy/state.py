@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from kvseal.config import ServerConfig, TenantPolicy
@@ -99,18 +98,7 @@ def build_state(cfg: ServerConfig, policies: dict[str, TenantPolicy]) -> TenantS
     if cfg.state is None:
         return TenantState(LocalLimits(RateLimiter(policies)), LocalResponses(ResponseStore(budget)),
                            lambda: None, "memory")
-    from kvseal.tenancy.redis_state import connect_state
+    from kvseal.tenancy.redis_state import connect_state, redacted
 
-    return connect_state(cfg, policies, budget)
-
-
-def read_secret(path: str, what: str, least: int) -> bytes:
-    """A secret's bytes from its file (surrounding whitespace dropped); errors name the flag, never the content."""
-    try:
-        data = Path(path).read_bytes().strip()
-    except OSError as exc:
-        raise ValueError(f"invalid {what}={path!r}: cannot read it ({type(exc).__name__})") from None
-    if len(data) < least:
-        raise ValueError(f"invalid {what}={path!r}: it holds {len(data)} bytes; give at least {least} random "
-                         f"bytes (e.g. `head -c 32 /dev/urandom | base64 > FILE`)")
-    return data
+    limits, responses, close = connect_state(cfg, policies, budget)
+    return TenantState(limits, responses, close, redacted(cfg.state))

@@ -2,55 +2,34 @@
 
 Decode reserves pages and hands out a `Reservation`; prefill describes its pages with a `KVManifest` (checksums
 computed over its pool pages in place, `PoolPages`) and a transport moves them: either packed into a
-`PagePayload` (ZeroMQ), which decode runs `verify()` on and only then `unpack_into()` its reserved pages, or
+`PagePayload` (ZeroMQ), which decode verifies and only then unpacks into its reserved pages (`unpack_into`), or
 straight into the reserved pages (NIXL), which decode claims first (`verify_identity`: nothing lands in a page
-unless the manifest names its reservation) and checks in place (`verify_landed`) before the request may use them.
-The checks are in transfer/verify.py.
+unless the manifest names its reservation) and verifies in place (`PoolPages`) before the request may use them.
+The checks are in transfer/verify.py, the checksums in transfer/checksums.py.
 
 Payload layout: per side (K, V) one contiguous byte buffer, page-major `(n, L, S, KVH, D)`, so page j of the
 transfer is bytes `[j * page_bytes, (j + 1) * page_bytes)` of each side, where `page_bytes = L * S * KVH * D *
 element_size` (see `page_nbytes`). Bytes are moved raw, so every dtype (bfloat16 included) round-trips exactly.
-
-Checksums are integrity checks (a flipped bit, a truncated or misrouted page), not authentication: identity is
-bound by the reservation id and nonce, which only the decode worker and the router know.
 """
 
 from __future__ import annotations
 
-import hashlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import msgspec
 import torch
 
+from kvseal.transfer.checksums import (
+    CHECKSUM_ALGO,
+    check_pools,
+    first_token_checksum,
+    packed_checksums,
+    pool_checksums,
+)
 from kvseal.wire.kvspec import KVSpec
 from kvseal.wire.reservation import SCHEMA_VERSION, Reservation
-
-try:
-    import xxhash
-
-    _HAVE_XXHASH = True
-except ImportError:  # pragma: no cover - xxhash is a dependency; blake2b keeps a bare install working
-    _HAVE_XXHASH = False
-
-
-
-class _Hash(Protocol):  # the part of hashlib / xxhash hash objects used here
-    def update(self, data: memoryview, /) -> None: ...
-    def digest(self) -> bytes: ...
-
-
-def _hasher() -> tuple[str, Callable[[], _Hash]]:
-    if _HAVE_XXHASH:
-        return "xxh3_64", xxhash.xxh3_64
-    return "blake2b_64", lambda: hashlib.blake2b(digest_size=8)
-
-
-# Both sides must use the same algorithm; its name travels in the manifest and verify() compares it.
-CHECKSUM_ALGO, _new_hash = _hasher()
 
 
 class KVManifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,31 +87,11 @@ class PoolPages:
         return 2 * self.num_pages * page_nbytes(self.k)
 
     def checksums(self) -> list[int]:
-        """Per page, the same hash page_checksums() gives for these pages packed (K's L blocks, then V's)."""
-        _check_pools(self.k, self.v)
-        num_layers, num_pages = self.k.shape[0], self.k.shape[1]
-        if any(not 0 <= p < num_pages for p in self.page_ids):
-            raise ValueError(f"page ids {list(self.page_ids)} out of range for a pool of {num_pages} pages")
-        block = page_nbytes(self.k) // num_layers if num_layers else 0
-        kb, vb = _flat_bytes(self.k), _flat_bytes(self.v)
-        stride = num_pages * block
-        out = []
-        for p in self.page_ids:
-            h = _new_hash()
-            for mv in (kb, vb):
-                for off in range(p * block, num_layers * stride, stride):
-                    h.update(mv[off:off + block])
-            out.append(int.from_bytes(h.digest(), "big"))
-        return out
+        """Per page, the same hash as the PagePayload of these pages packed."""
+        return pool_checksums(self.k, self.v, self.page_ids)
 
     def pack(self) -> PagePayload:
         return pack_pages(self.k, self.v, self.page_ids)
-
-
-def _flat_bytes(pool: torch.Tensor) -> memoryview:
-    if pool.device.type != "cpu":
-        pool = pool.cpu()
-    return pool.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def _bytes_tensor(buf: memoryview | bytes) -> torch.Tensor:
@@ -199,18 +158,9 @@ def _word(nbytes: int, ptr: int) -> torch.dtype:
     return torch.uint8
 
 
-def _check_pools(k: torch.Tensor, v: torch.Tensor) -> None:
-    # The layout inside a page is the workers' business (kv_layout, checked by the fleet check and verify());
-    # here a page is a block of (S * KVH * D) elements of one dtype per layer, on both sides.
-    if (k.dim() != 5 or v.dim() != 5 or k.dtype != v.dtype or k.shape[:2] != v.shape[:2]
-            or k[0, 0].numel() != v[0, 0].numel() or not (k.is_contiguous() and v.is_contiguous())):
-        raise ValueError(f"K and V pools must be contiguous (L, P, ...) tensors of one dtype and page size, "
-                         f"got {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
-
-
 def pack_pages(k: torch.Tensor, v: torch.Tensor, pages: Sequence[int]) -> PagePayload:
     """Gather `pages` of the pools k, v (L, P, S, KVH, D) into one page-major CPU buffer per side."""
-    _check_pools(k, v)
+    check_pools(k, v)
 
     def side(pool: torch.Tensor) -> torch.Tensor:
         rows, sel = _rows(pool, pages)
@@ -223,7 +173,7 @@ def pack_pages(k: torch.Tensor, v: torch.Tensor, pages: Sequence[int]) -> PagePa
 def unpack_into(pool_k: torch.Tensor, pool_v: torch.Tensor, page_ids: Sequence[int],
                 payload: PagePayload) -> None:
     """Write the payload's pages, in order, into `page_ids` of the pools. Call only after verify()."""
-    _check_pools(pool_k, pool_v)
+    check_pools(pool_k, pool_v)
     if len(set(page_ids)) != len(page_ids):
         raise ValueError(f"page ids must be distinct, got {list(page_ids)}")
     want = len(page_ids) * page_nbytes(pool_k)
@@ -241,30 +191,9 @@ def unpack_into(pool_k: torch.Tensor, pool_v: torch.Tensor, page_ids: Sequence[i
         rows.index_copy_(0, sel, src_rows)
 
 
-# -- checking -----------------------------------------------------------------------------------------
+# -- checksums ----------------------------------------------------------------------------------------
 
 
 def page_checksums(payload: PagePayload) -> list[int]:
     """One unsigned 64-bit hash per page, over that page's K bytes then its V bytes."""
-    n = payload.num_pages
-    if payload.k.numel() != payload.v.numel() or (n and payload.k.numel() % n) or (not n and payload.nbytes):
-        raise ValueError(f"payload of {payload.k.numel()} + {payload.v.numel()} bytes is not {n} equal pages")
-    if n == 0:
-        return []
-    step = payload.k.numel() // n
-    kb, vb = payload.k.numpy().data, payload.v.numpy().data  # zero-copy byte views
-    out = []
-    for j in range(n):
-        h = _new_hash()
-        h.update(kb[j * step:(j + 1) * step])
-        h.update(vb[j * step:(j + 1) * step])
-        out.append(int.from_bytes(h.digest(), "big"))
-    return out
-
-
-def first_token_checksum(first_token: int, first_logprob: float | None,
-                         first_top: Sequence[tuple[int, float]]) -> int:
-    """One unsigned 64-bit hash over the first token and its logprobs, as they travel (msgpack)."""
-    h = _new_hash()
-    h.update(memoryview(msgspec.msgpack.encode([first_token, first_logprob, [list(t) for t in first_top]])))
-    return int.from_bytes(h.digest(), "big")
+    return packed_checksums(payload.k, payload.v, payload.num_pages)

@@ -66,5 +66,8 @@ class Outbox:
 
     def _give_up(self, ident: bytes, why: str) -> None:
         dropped = len(self._waiting.pop(ident, ()))
-        log.error("giving up on router %r: %s; %d message(s) dropped, its requests fail here", ident, why, dropped)
+        if dropped:
+            log.error("giving up on router %r: %s; %d message(s) dropped, its requests fail here", ident, why, dropped)
+        else:  # a router that left with nothing waiting for it (one stopped on purpose): no loss, no error
+            log.info("router %r left: %s; nothing was waiting for it", ident, why)
         self._lost.add(ident)

@@ -172,12 +172,18 @@ class WorkerServer:
                     self.engine.fail_all(InternalError("the engine failed while running this request"))
                 self.route(self.engine.take_addressed())
             for ident in self.outbox.flush():
-                self.peers.discard(ident)
-                self.peer_lost(ident)
+                self._router_left(ident)
             if self.draining_since is not None and self._drained():
                 break
         self.close()
         return self.exit_code
+
+    def _router_left(self, ident: bytes) -> None:
+        """A router is gone (the outbox gave up on it): it hears nothing more, and its requests here end."""
+        self.peers.discard(ident)
+        if routed := self.engine.routed_to(ident):
+            log.error("router %r is gone: its %d request(s) in flight here fail", ident, len(routed))
+        self.peer_lost(ident)
 
     def _drained(self) -> bool:
         assert self.draining_since is not None

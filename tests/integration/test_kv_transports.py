@@ -39,7 +39,7 @@ from kvseal.transfer.manifest import (
     page_nbytes,
     unpack_into,
 )
-from kvseal.transfer.verify import verify, verify_identity, verify_landed
+from kvseal.transfer.verify import verify, verify_identity
 from kvseal.wire.kvspec import KVSpec
 from kvseal.wire.reservation import Reservation, new_nonce, new_reservation_id
 from tests.helpers.transports import KV_TRANSPORTS
@@ -96,11 +96,10 @@ class Decode:
                 raise KvsealError.from_info(a.error)
             if res is None:
                 raise TransferVerificationFailed(f"KV arrived for request {rid!r}, which holds no reservation")
-            if a.landed is not None:
-                verify_landed(a.manifest, res, a.landed)
-            else:
-                assert a.payload is not None
-                verify(a.manifest, res, a.payload, expected_fingerprint=FP, page_bytes=page_nbytes(self.k))
+            pages = a.landed if a.landed is not None else a.payload
+            assert pages is not None
+            verify(a.manifest, res, pages, expected_fingerprint=FP, page_bytes=page_nbytes(self.k))
+            if a.payload is not None:
                 unpack_into(self.k, self.v, res.page_ids, a.payload)
         except KvsealError as err:
             if res is not None:  # the request fails: its reserved pages are scrubbed
@@ -304,7 +303,7 @@ def test_a_sender_that_dies_mid_handoff_never_gets_pages_admitted_that_did_not_a
             if a.error is not None:
                 outcomes.append(("failed", a.error.code))
             elif a.landed is not None:
-                verify_landed(a.manifest, res, a.landed)
+                verify(a.manifest, res, a.landed, expected_fingerprint=FP, page_bytes=page_nbytes(k))
                 outcomes.append(("landed", ""))
             else:
                 assert a.payload is not None

@@ -24,7 +24,7 @@ import redis
 import yaml
 
 from kvseal.config import ServerConfig
-from kvseal.tenancy.state import read_secret
+from kvseal.tenancy.sealer import read_secret
 from tests.helpers.k8s import (
     ROLES,
     ROOT,

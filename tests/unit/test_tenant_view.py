@@ -10,10 +10,10 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from kvseal.api.app import build_app
+from kvseal.api.routes.probe import install_probe
 from kvseal.config import ServerConfig
 from kvseal.metrics.router import RouterMetrics
 from kvseal.metrics.router import install as install_metrics
-from kvseal.router.probe import install_probe
 from kvseal.tenancy.tenants import read_key_file
 
 from .test_tenants import RecordingBackend

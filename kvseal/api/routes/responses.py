@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from kvseal.api import respond
+from kvseal.api.respond import Sample
 from kvseal.api.responses_format import (
     ResponsesStream,
     Shell,
@@ -24,8 +25,9 @@ from kvseal.api.responses_protocol import ResponsesRequest
 from kvseal.api.routes.deps import backend_of, check_model, prompt_text, tenant_of
 from kvseal.api.routes.generate import budget, fan_out
 from kvseal.api.tools.calls import Text
-from kvseal.api.tools.plan import plan_tools
+from kvseal.api.tools.plan import ToolPlan, plan_tools
 from kvseal.errors import InvalidRequest, NotFound
+from kvseal.model.tokenizer import Tokenizer
 from kvseal.tenancy.response_store import entry_size
 from kvseal.tenancy.state import Responses
 from kvseal.wire.messages import SamplingParams
@@ -64,11 +66,9 @@ def fits(store: Responses, tenant: str, conversation: list[dict[str, Any]], sett
                              f"conversation", param="store")
 
 
-@router.post("/v1/responses")
-async def create(body: ResponsesRequest, request: Request) -> Any:
-    backend, tenant, store = backend_of(request), tenant_of(request), store_of(request)
-    texts = prompt_text(request)
-    check_model(backend, body.model)
+async def _conversation(store: Responses, tenant: str, body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The conversation this request continues (its tenant's own stored one) and its new input, checked to fit the
+    tenant's stored responses when it is to be stored."""
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         prev = await store.get(tenant, body.previous_response_id)  # another tenant's id is as absent as a made-up one
@@ -78,6 +78,32 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
     conversation = history + body.input_messages()
     if body.store:
         fits(store, tenant, conversation, settings_of(body))
+    return conversation
+
+
+def _whole_items(s: Sample, plan: ToolPlan | None, tok: Tokenizer | None) -> list[dict[str, Any]]:
+    """The output items of a whole (not streamed) answer; `tok` when its logprobs were asked for."""
+    if plan is not None:
+        splitter = plan.splitter()
+        items = output_items(splitter.feed(s.text) + splitter.finish())
+    else:
+        items = output_items([Text(s.text)])
+        if tok is not None and items:
+            items[0]["content"][0]["logprobs"] = logprob_entries(tok, s.lps or [])
+    assert s.final is not None
+    status = status_of(s.final)
+    for item in items:
+        if item["type"] == "message":
+            item["status"] = status  # a message cut by max_output_tokens is incomplete
+    return items
+
+
+@router.post("/v1/responses")
+async def create(body: ResponsesRequest, request: Request) -> Any:
+    backend, tenant, store = backend_of(request), tenant_of(request), store_of(request)
+    texts = prompt_text(request)
+    check_model(backend, body.model)
+    conversation = await _conversation(store, tenant, body)
     plan = plan_tools(backend.tokenizer.chat_template, body.functions(), body.choice(), body.parallel_tool_calls,
                       has_response_format=False)
     logprobs = body.logprobs()
@@ -101,6 +127,7 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
     )
     rid = new_id("resp_")
     shell = Shell(rid, backend.model_name, settings_of(body))
+    tok = backend.tokenizer if logprobs is not None else None
 
     async def done(out: dict[str, Any], items: list[dict[str, Any]]) -> None:
         if body.store:
@@ -108,25 +135,14 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
 
     fan = await fan_out(request, rid, ids, params, 1, None)
     if body.stream:
-        return await respond.stream(request, fan, ResponsesStream(shell, plan.splitter() if plan else None, done,
-                                                                backend.tokenizer if logprobs is not None else None))
+        return await respond.stream(request, fan, ResponsesStream(shell, plan.splitter() if plan else None, done, tok))
     samples = await respond.gather(request, fan)
     if isinstance(samples, JSONResponse):
         return samples
     s = samples[0]
     assert s.final is not None
-    if plan is not None:
-        splitter = plan.splitter()
-        items = output_items(splitter.feed(s.text) + splitter.finish())
-    else:
-        items = output_items([Text(s.text)])
-        if logprobs is not None and items:
-            items[0]["content"][0]["logprobs"] = logprob_entries(backend.tokenizer, s.lps or [])
-    status = status_of(s.final)
-    for item in items:
-        if item["type"] == "message":
-            item["status"] = status  # a message cut by max_output_tokens is incomplete
-    out = shell.body(status, items, s.final)
+    items = _whole_items(s, plan, tok)
+    out = shell.body(status_of(s.final), items, s.final)
     await done(out, items)
     return JSONResponse(out)
 

@@ -29,7 +29,6 @@ async def _bench(cfg: BenchConfig) -> int:
     from kvseal.bench.load import dataset, report
     from kvseal.bench.load.client import request_body, run_pass, send_one
     from kvseal.bench.load.metrics import RequestResult, error_counts, request_record, summarize
-    from kvseal.bench.load.stats import host_info
 
     for name in ("httpx", "httpcore"):  # `kvseal` logs at INFO; a line per request would drown the bar
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -72,6 +71,15 @@ async def _bench(cfg: BenchConfig) -> int:
                   f"{m['output_tok_s']:.1f} output tok/s", file=sys.stderr)
             for message, count in list(one["errors"].items())[:5]:
                 print(f"  {count}x {message}", file=sys.stderr)
+    _publish(cfg, model, started, passes)
+    return 1 if any(p["metrics"]["failed"] for p in passes) else 0
+
+
+def _publish(cfg: BenchConfig, model: str, started: str, passes: list[dict[str, Any]]) -> None:
+    """The passes as a table on stdout, and as JSON and a plot where asked."""
+    from kvseal.bench.load import report
+    from kvseal.bench.load.stats import host_info
+
     print(report.render_table(passes, cfg.sweep_key, bool(cfg.goodput)))
     if cfg.result_json:
         report.write_json(cfg.result_json, {
@@ -87,7 +95,6 @@ async def _bench(cfg: BenchConfig) -> int:
             print(f"plot: {cfg.plot}")
         except ImportError:
             print("kvseal bench: --plot needs matplotlib (pip install 'kvseal[bench]')", file=sys.stderr)
-    return 1 if any(p["metrics"]["failed"] for p in passes) else 0
 
 
 def run_bench(a: argparse.Namespace) -> int:
