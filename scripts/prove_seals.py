@@ -305,7 +305,7 @@ MUTATIONS = [
      "",
      ["tests/integration/test_redis_state.py::test_a_dead_routers_places_free_within_its_lease_and_a_live_routers_are_renewed"],
      True),
-    ("11 a request drafts from its own text alone (no index shared between requests)", "kvseal/engine/drafts.py",
+    ("11 a request drafts from its own text alone (no index shared between requests)", "kvseal/engine/speculate.py",
      "    lookup: Lookup = field(default_factory=Lookup)",
      "    lookup: Lookup = field(default_factory=lambda shared=Lookup(): shared)",
      ["tests/unit/test_spec_engine.py::test_drafts_are_built_from_each_requests_own_text_alone"], False),

@@ -17,37 +17,20 @@ positions on a kept page stay in the request's own page and are rewritten by its
 them (attention reads positions below the query's own).
 
 Not drafted: a request with `speculative: false`, a response_format (its grammar would have to accept every draft
-token), or logprobs (reported for one token a step).
+token), logprobs (reported for one token a step), or sampling with its own seed (its tokens must not depend on what
+shares its batch; whether it drafts would).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sized
-from dataclasses import dataclass, field
 
 import torch
 
 from kvseal.config import SchedulerConfig
-from kvseal.engine.lookup import Lookup
 from kvseal.engine.sampling import target_probs, token_generator
 from kvseal.engine.sequence import Sequence
-from kvseal.engine.speculate import DraftLength, verify_greedy, verify_sampled
-
-
-@dataclass
-class Speculation:
-    """One request's own: the index of its text so far, and its draft length."""
-
-    lookup: Lookup = field(default_factory=Lookup)
-    length: DraftLength = field(default_factory=DraftLength)
-
-    def catch_up(self, seq: Sequence) -> None:
-        """Index the tokens seq has taken in since the last step (its prompt, the first time)."""
-        have, p = len(self.lookup.tokens), len(seq.prompt_ids)
-        if have < p:
-            self.lookup.extend(seq.prompt_ids[have:])
-            have = p
-        self.lookup.extend(seq.output_ids[have - p:])
+from kvseal.engine.speculate import Speculation, verify_greedy, verify_sampled
 
 
 class Drafter:
@@ -63,7 +46,10 @@ class Drafter:
     @staticmethod
     def eligible(seq: Sequence) -> bool:
         p = seq.params
-        return p.speculative and p.response_format is None and seq.grammar is None and p.logprobs is None
+        # a seeded sampled request gives the same tokens whatever shares its batch (engine/sampling.py); whether it
+        # drafts depends on the batch (the rows), and its draws on its drafts: it never drafts
+        return (p.speculative and p.response_format is None and seq.grammar is None and p.logprobs is None
+                and (p.greedy or p.seed is None))
 
     def propose(self, waiting: Sized, running: list[Sequence], context_window: int) -> None:
         """Set this step's drafts (Sequence.draft) on the running, or none (see the module docstring)."""
@@ -77,7 +63,7 @@ class Drafter:
                 continue
             if seq.spec is None:
                 seq.spec = Speculation()
-            seq.spec.catch_up(seq)
+            seq.spec.catch_up(seq.prompt_ids, seq.output_ids)
             # every token a full acceptance emits (drafts and the bonus) within max_tokens and the window
             room = min(seq.params.max_tokens - len(seq.output_ids), context_window - seq.num_tokens) - 1
             k = min(seq.spec.length.want(len(seq.output_ids)), budget, room)

@@ -292,7 +292,9 @@ class Engine:
             self.requests.drop(seq)
         if self.forensics is not None:
             error = seq.life.outcome.error if seq.life.outcome is not None else None
-            self.forensics.row(seq, seq.life.state.value, error.code if error is not None else None)
+            spec = seq.spec.length if seq.spec is not None else None
+            self.forensics.row(seq, seq.life.state.value, error.code if error is not None else None,
+                               spec.drafted if spec else 0, spec.accepted if spec else 0)
         self._out.append((seq, final_delta(seq)))
 
     # -- one step ------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from kvseal.wire.messages import GenerateRequest, SamplingParams, TokenLogprob
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
-    from kvseal.engine.drafts import Speculation
+    from kvseal.engine.speculate import Speculation
     from kvseal.transfer.base import TransferHandle
     from kvseal.wire.reservation import Reservation
 

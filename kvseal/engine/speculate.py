@@ -19,9 +19,12 @@ fail, and a request whose drafts keep failing stops drafting (and tries again, s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+
+from kvseal.engine.lookup import Lookup
 
 MAX_DRAFT = 8
 PAUSE_TOKENS = 32  # after FAILS_TO_PAUSE drafts in a row accepted nowhere, this many tokens without one
@@ -54,6 +57,22 @@ class DraftLength:
                 self.paused_until, self.fails = emitted + PAUSE_TOKENS, 0
         else:
             self.k, self.fails = max(1, accepted + 1), 0
+
+
+@dataclass
+class Speculation:
+    """One request's own (Sequence.spec): the index of its text so far, and its draft length."""
+
+    lookup: Lookup = field(default_factory=Lookup)
+    length: DraftLength = field(default_factory=DraftLength)
+
+    def catch_up(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Index the tokens the request has taken in since the last step (its prompt, the first time)."""
+        have, p = len(self.lookup.tokens), len(prompt_ids)
+        if have < p:
+            self.lookup.extend(prompt_ids[have:])
+            have = p
+        self.lookup.extend(output_ids[have - p:])
 
 
 def verify_greedy(draft: list[int], logits: torch.Tensor) -> list[int]:

@@ -130,12 +130,12 @@ class Forensics:
             log.foreign.append((page, seg.lo, seg.hi, w.request_id if w else "", w.tenant if w else "",
                                 w.kind if w else "unwritten"))
 
-    def row(self, seq: Sequence, state: str, error_code: str | None) -> None:
-        """seq ended here (or, on prefill, was handed off): write its record."""
+    def row(self, seq: Sequence, state: str, error_code: str | None, drafted: int = 0, accepted: int = 0) -> None:
+        """seq ended here (or, on prefill, was handed off): write its record (with its speculative decoding's draft
+        tokens verified and accepted)."""
         log = self.logs.pop(seq.request_id, None) or ReadLog()
         self.ledger.add(LedgerRow(
             request_id=seq.request_id, role=self.role, worker=self.worker, tenant=seq.tenant,
             received=log.received, ended=time.time(), state=state, error_code=error_code,
             reservation_id=log.reservation_id, pages=log.pages, verification=log.verification, cached=log.cached,
-            foreign_reads=log.foreign, drafted=0 if seq.spec is None else seq.spec.length.drafted,
-            accepted=0 if seq.spec is None else seq.spec.length.accepted))
+            foreign_reads=log.foreign, drafted=drafted, accepted=accepted))

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.e2e
 def _engine(ck: Checkpoint, fused: bool) -> Engine:
     e = Engine(EngineConfig(model=ModelConfig(kernels="native", arithmetic="exact"),
                             cache=CacheConfig(page_size=16, pool_tokens=2048),
-                            scheduler=SchedulerConfig(max_num_batched_tokens=64)), ck)
+                            # no drafts: a step with one is not decode-only (one row per request), and this test
+                            # counts the decode-only steps that took the one-call path
+                            scheduler=SchedulerConfig(max_num_batched_tokens=64, speculative="off")), ck)
     assert e.model._c_layers is not None  # the bundled model's matrices are all packed
     if not fused:
         e.model._c_layers = None

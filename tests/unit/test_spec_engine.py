@@ -10,7 +10,6 @@ import dataclasses
 import math
 from collections import Counter
 
-import msgspec
 import pytest
 
 from kvseal.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -29,12 +28,12 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
 def engine(ck: Checkpoint, speculative: str, pool_tokens: int = 1024, budget: int = 64, rows: int = 12,
-           window_pages: bool = True) -> Engine:
+           window_pages: bool = True, seed: int = 0) -> Engine:
     # no prefix cache: every page goes back to the free list, zeroed, when its request ends
     return Engine(EngineConfig(cache=CacheConfig(page_size=4, pool_tokens=pool_tokens, window_pages=window_pages,
                                                  prefix_cache=False),
                                scheduler=SchedulerConfig(max_num_batched_tokens=budget, speculative=speculative,
-                                                         speculative_rows=rows)), ck)
+                                                         speculative_rows=rows), seed=seed), ck)
 
 
 def repeating(n: int, period: int, offset: int) -> list[int]:
@@ -124,6 +123,9 @@ def test_a_step_drafts_only_when_its_rows_stay_small_and_no_prompt_runs(monkeypa
     run(off, [repeating(20, 4, 0)], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
                                                     speculative=False))
     assert off.drafter.drafted == 0  # the request said speculative: false
+    seeded = engine(ck, "lookup", rows=8)
+    run(seeded, [repeating(20, 4, 0)], SamplingParams(max_tokens=40, temperature=0.7, seed=5, ignore_eos=True))
+    assert seeded.drafter.drafted == 0  # its tokens must not depend on what shares its batch: whether it drafts would
 
 
 def test_drafts_are_built_from_each_requests_own_text_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +144,7 @@ def test_drafts_are_built_from_each_requests_own_text_alone(monkeypatch: pytest.
 
     monkeypatch.setattr(Drafter, "propose", spy)
     for i, p in enumerate(prompts):
-        params = SamplingParams(max_tokens=80, temperature=0.8, seed=i, ignore_eos=True)
+        params = SamplingParams(max_tokens=80, temperature=0.8, ignore_eos=True)  # seeds drawn by the engine
         e.add_request(GenerateRequest(f"r{i}", p, params, tenant=("acme", "globex")[i]))
     out = drain(e)
     assert Counter(rid for rid, _, _ in seen).keys() == {"r0", "r1"} and len(seen) > 40
@@ -159,8 +161,8 @@ def _chi2_critical(df: int) -> float:
 
 
 def test_sampled_tokens_keep_their_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fixed seeds: the second and third tokens of 600 sampled requests with drafts against 600 without, a two-sample
-    chi-square over the tokens seen (rare ones pooled). The draft is the second token seen most often without drafts
+    """Fixed seeds (the engine's: a request with a seed of its own never drafts): the second and third tokens of 600
+    sampled requests with drafts against 600 without, a two-sample chi-square over the tokens seen (rare ones pooled). The draft is the second token seen most often without drafts
     (a fake draft source: the tiny model at temperature 1 repeats little), so it is often accepted and often not."""
     ck = tiny_checkpoint()
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
@@ -171,12 +173,11 @@ def test_sampled_tokens_keep_their_distribution(monkeypatch: pytest.MonkeyPatch)
         if spec == "lookup":
             likely = max((t for pos, t in counts["off"] if pos == 1), key=lambda t: counts["off"][(1, t)])
             monkeypatch.setattr(Lookup, "draft", lambda self, k, d=likely: [d] * min(k, 2))
-        e = engine(ck, spec, pool_tokens=4096, budget=2048, rows=2048)  # 50 prompts in one step, then 50 drafts
+        e = engine(ck, spec, pool_tokens=4096, budget=2048, rows=2048, seed=seed0)  # 50 prompts, then 50 drafts
         counts[spec] = Counter()
         for group in range(12):  # 50 at a time: all in the batch, nothing waiting, so each step may draft
             for i in range(50):
-                e.add_request(GenerateRequest(f"r{group}-{i}", text,
-                                              msgspec.structs.replace(params, seed=seed0 + group * 50 + i)))
+                e.add_request(GenerateRequest(f"r{group}-{i}", text, params))
             out = drain(e)
             counts[spec] += Counter((pos, t) for ds in out.values() for pos, t in enumerate(tokens(ds)) if pos > 0)
     assert e.drafter.drafted >= 500 and 50 < e.drafter.accepted < e.drafter.drafted - 50  # kept and rejected
