@@ -1,6 +1,7 @@
 """Frozen configuration of the fleet's processes, one dataclass per concern, as kvseal/config.py is the engine's
 and the HTTP server's: every process (log level, test faults), a worker's sockets and lifetime, the KV transport,
-one request's handoff as the router bounds it, the router's fleet, and the fleet `kvseal serve` starts.
+one request's handoff as the router bounds it, the router's fleet, the fleet `kvseal serve` starts, and its embed
+worker.
 
 Every field that is a flag is declared with `opt` (its help text is the flag's); kvseal/config_args.py builds the
 flags and the configs back. A worker gets these objects as they are, in its `worker/run.py` `WorkerSpec`.
@@ -172,3 +173,24 @@ class ServeConfig:
         _need(self.decode >= 1, "decode", self.decode, "give at least 1 decode worker")
         _threads("prefill_threads", self.prefill_threads)
         _threads("decode_threads", self.decode_threads)
+
+
+@dataclass(frozen=True)
+class EmbedConfig:
+    """`kvseal serve --embed-model PATH`: the embedding model served beside the chat model, and its worker's
+    settings (kvseal/embed/, docs/embeddings.md)."""
+
+    model: str | None = opt(None, "also serve /v1/embeddings with this sentence-transformers folder (a BERT "
+                            "encoder with its pooling config, e.g. all-MiniLM-L6-v2), in an embed worker process "
+                            "beside the chat model (docs/embeddings.md)", flag="--embed-model")
+    served_name: str | None = opt(None, "the embedding model's id in the API (default: the folder's name)",
+                                  flag="--embed-model-name")
+    threads: int | None = opt(None, "CPU threads of the embed worker (default: every core; it computes only while "
+                              "embeddings are asked for)", flag="--embed-threads")
+    batch_tokens: int = opt(8192, "tokens in one forward pass of the embed worker: larger batches are faster, and a "
+                            "request of another tenant waits at most one batch", flag="--embed-batch-tokens")
+
+    def __post_init__(self) -> None:
+        _need(self.threads is None or self.threads >= 1, "embed_threads", self.threads, "give at least 1 thread")
+        _need(self.batch_tokens >= 512, "embed_batch_tokens", self.batch_tokens,
+              "give at least 512 tokens (a batch must hold the longest input)")

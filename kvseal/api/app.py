@@ -4,6 +4,7 @@
 - routes/generate.py: /v1/chat/completions, /v1/completions (request -> GenerateRequest)
 - routes/tokens.py: /tokenize, /detokenize
 - routes/responses.py: OpenAI's /v1/responses (stored responses per tenant: response_store.py)
+- routes/embeddings.py: /v1/embeddings, served by the embed worker when there is one (kvseal/embed/)
 - routes/messages.py: Anthropic's /v1/messages and /v1/messages/count_tokens (errors in Anthropic's shape:
   anthropic_errors.py)
 - respond.py: deltas -> a whole response or a stream (never a 200 for a request that did not complete)
@@ -25,8 +26,9 @@ from fastapi import FastAPI
 from kvseal import __version__
 from kvseal.api.anthropic_errors import AnthropicErrors
 from kvseal.api.http_errors import install_error_handlers
-from kvseal.api.routes import generate, messages, responses, status, tokens
+from kvseal.api.routes import embeddings, generate, messages, responses, status, tokens
 from kvseal.config import ServerConfig
+from kvseal.embed.client import EmbedClient
 from kvseal.router.backend import Backend
 from kvseal.tenancy.bodylimit import BodyLimit
 from kvseal.tenancy.ratelimit import RateLimits
@@ -37,14 +39,18 @@ from kvseal.tenancy.tenantview import TenantFigures, new_figures
 from kvseal.tenancy.textpool import TextPool
 
 
-def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
+def build_app(backend: Backend, cfg: ServerConfig, embedder: EmbedClient | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await backend.start()
+        if embedder is not None:
+            await embedder.start()
         try:
             yield
         finally:
             app.state.text_pool.shutdown()
+            if embedder is not None:
+                await embedder.stop()
             closed = state.close()
             if closed is not None:
                 await closed
@@ -52,6 +58,7 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="kvseal", version=__version__, lifespan=lifespan)
     app.state.backend = backend  # the routes read it through routes/deps.py
+    app.state.embedder = embedder  # routes/embeddings.py: None without --embed-model
     app.state.text_pool = TextPool(cfg.text_pool_threads, cfg.text_threads_each)  # api/text.py
     backend.tokenizer.longest_token_bytes  # noqa: B018 (measured once here, not on a request's time)
     app.state.body_held = {}  # tenant -> bytes of its bodies in requests in progress
@@ -68,6 +75,6 @@ def build_app(backend: Backend, cfg: ServerConfig) -> FastAPI:
     app.add_middleware(AnthropicErrors)  # outside every part that may write an error: one shape per route
     app.add_middleware(RequestLog)  # added last: outermost, it sees every response
     install_error_handlers(app)
-    for module in (status, generate, tokens, messages, responses):
+    for module in (status, generate, tokens, messages, responses, embeddings):
         app.include_router(module.router)
     return app

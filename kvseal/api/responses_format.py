@@ -12,12 +12,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kvseal.api.openai_format import chat_logprobs
 from kvseal.api.protocol import template_arguments
 from kvseal.api.respond import sse
 from kvseal.api.tools.calls import Call, Event, Splitter, Text, call_id
 from kvseal.api.tools.output import ARG_FRAGMENT
 from kvseal.errors import KvsealError
-from kvseal.wire.messages import GenerateDelta
+from kvseal.model.tokenizer import Tokenizer
+from kvseal.wire.messages import GenerateDelta, TokenLogprob
 
 
 def new_id(prefix: str) -> str:
@@ -27,6 +29,12 @@ def new_id(prefix: str) -> str:
 def text_item(text: str, status: str = "completed") -> dict[str, Any]:
     return {"type": "message", "id": new_id("msg_"), "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def logprob_entries(tok: Tokenizer, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """An output_text's `logprobs` (include: message.output_text.logprobs): chat's entries, token by token."""
+    entries: list[dict[str, Any]] = chat_logprobs(tok, lps)["content"]
+    return entries
 
 
 def call_item(c: Call, status: str = "completed") -> dict[str, Any]:
@@ -82,10 +90,12 @@ class ResponsesStream:
     finished Response before its last event goes out (the route stores it there)."""
 
     def __init__(self, shell: Shell, splitter: Splitter | None,
-                 done: Callable[[dict[str, Any], list[dict[str, Any]]], Awaitable[None]]) -> None:
-        self.shell, self.splitter, self.done = shell, splitter, done
+                 done: Callable[[dict[str, Any], list[dict[str, Any]]], Awaitable[None]],
+                 tok: Tokenizer | None = None) -> None:
+        self.shell, self.splitter, self.done, self.tok = shell, splitter, done, tok  # tok: logprobs asked for
         self._answered: tuple[dict[str, Any], list[dict[str, Any]]] | None = None  # for settle()
         self.seq = 0
+        self.pending: list[dict[str, Any]] = []  # logprobs of tokens whose text has not gone out yet
         self.items: list[dict[str, Any]] = []
         self.message: dict[str, Any] | None = None  # the open message item
 
@@ -98,6 +108,8 @@ class ResponsesStream:
         return [self._ev("response.created", response=body), self._ev("response.in_progress", response=body)]
 
     def delta(self, i: int, d: GenerateDelta) -> list[str]:
+        if self.tok is not None and d.logprobs:
+            self.pending += logprob_entries(self.tok, d.logprobs)
         events: list[Event] = [Text(d.text)] if self.splitter is None and d.text else []
         if self.splitter is not None:
             events = self.splitter.feed(d.text) if d.text else []
@@ -137,8 +149,11 @@ class ResponsesStream:
                                  output_index=len(self.items) - 1, content_index=0,
                                  part={"type": "output_text", "text": "", "annotations": []})]
             self.message["content"][0]["text"] += e.text
+            lps, self.pending = self.pending, []
+            if self.tok is not None:
+                self.message["content"][0].setdefault("logprobs", []).extend(lps)
             return [*out, self._ev("response.output_text.delta", item_id=self.message["id"],
-                                   output_index=len(self.items) - 1, content_index=0, delta=e.text, logprobs=[])]
+                                   output_index=len(self.items) - 1, content_index=0, delta=e.text, logprobs=lps)]
         out = self._close()
         item = call_item(e)
         self.items.append(item)
@@ -157,7 +172,13 @@ class ResponsesStream:
         m, self.message = self.message, None
         m["status"] = status  # a message cut by max_output_tokens is incomplete
         at, part = self.items.index(m), m["content"][0]
-        return [self._ev("response.output_text.done", item_id=m["id"], output_index=at, content_index=0,
-                         text=part["text"], logprobs=[]),
+        out = []
+        if self.pending:  # tokens that ended as no text (the end of turn's) had logprobs too: each in one delta
+            part["logprobs"].extend(self.pending)
+            out.append(self._ev("response.output_text.delta", item_id=m["id"], output_index=at, content_index=0,
+                                delta="", logprobs=self.pending))
+            self.pending = []
+        return [*out, self._ev("response.output_text.done", item_id=m["id"], output_index=at, content_index=0,
+                               text=part["text"], logprobs=part.get("logprobs", [])),
                 self._ev("response.content_part.done", item_id=m["id"], output_index=at, content_index=0, part=part),
                 self._ev("response.output_item.done", output_index=at, item=m)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from kvseal.api.protocol import _I32, JsonObject, Strict, template_arguments
 from kvseal.api.tools.plan import Function
@@ -20,12 +20,25 @@ _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                      Field(max_length=16)]
 MAX_TOOLS = 128
+# what `include` may ask for that kvseal has: the sampled tokens' logprobs. An empty list asks for nothing (the
+# OpenAI Agents SDK sends `include: []` on every request); any other value (file search results, reasoning's
+# encrypted content, ...) names something kvseal never produces and is a 400 naming it, never silently dropped.
+INCLUDABLE = ("message.output_text.logprobs",)
+
+
+def _includable(values: list[str]) -> list[str]:
+    for v in values:
+        if v not in INCLUDABLE:
+            raise ValueError(f"{v!r} cannot be included: kvseal has no such output; it can include "
+                             + ", ".join(INCLUDABLE))
+    return values
 
 
 class InputText(Strict):
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = None  # output_text of an earlier answer carries them; they are not read
+    logprobs: list[Any] | None = None  # as annotations: an earlier answer's, sent back by clients, not read
 
 
 class InputMessage(Strict):
@@ -91,6 +104,8 @@ class ResponsesRequest(Strict):
     max_output_tokens: Annotated[int, Field(ge=1, le=_I32)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    include: Annotated[list[str], AfterValidator(_includable), Field(max_length=16)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # with include's logprobs: alternatives each
     stream: bool = False
     store: bool = True
     metadata: Metadata | None = None
@@ -98,12 +113,19 @@ class ResponsesRequest(Strict):
     truncation: Literal["disabled"] | None = None
     user: str | None = None
 
+    def logprobs(self) -> int | None:
+        """The engine's logprobs setting: None (off) unless include asks for them; then top_logprobs (0: the
+        sampled token's alone). top_logprobs without include returns none, as OpenAI's and vLLM's servers do."""
+        return (self.top_logprobs or 0) if self.include and INCLUDABLE[0] in self.include else None
+
     def choice(self) -> str | None:
         c = self.tool_choice
         return c.name if isinstance(c, NamedFunction) else c
 
     def functions(self) -> list[Function] | None:
-        return None if self.tools is None else [Function(t.name, t.description, t.parameters) for t in self.tools]
+        """None for no tools: an empty list asks for none (OpenAI's Responses API accepts it, and the Agents SDK
+        sends it for an agent without tools), unlike chat completions', where OpenAI refuses `tools: []`."""
+        return [Function(t.name, t.description, t.parameters) for t in self.tools] if self.tools else None
 
     def input_messages(self) -> list[dict[str, Any]]:
         """This request's input as chat-template messages (without the instructions)."""

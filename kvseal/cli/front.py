@@ -14,6 +14,7 @@ from kvseal.config_args import add_config_args
 from kvseal.config_fleet import ProcessConfig
 
 if TYPE_CHECKING:
+    from kvseal.embed.client import EmbedClient
     from kvseal.engine.engine import Engine
 
 
@@ -66,15 +67,18 @@ def one_tenant_notice(scfg: ServerConfig) -> None:
             "everyone; give --api-keys FILE to keep tenants apart")
 
 
-def serve_http(backend: Any, scfg: ServerConfig, log_level: str, engine: Engine | None = None) -> None:
-    """The OpenAI app over `backend` (the router's or the unified engine's), served until SIGTERM or SIGINT."""
+def serve_http(backend: Any, scfg: ServerConfig, log_level: str, engine: Engine | None = None,
+               embedder: EmbedClient | None = None) -> None:
+    """The OpenAI app over `backend` (the router's or the unified engine's), served until SIGTERM or SIGINT; with
+    an embedder (`kvseal serve --embed-model`), /v1/embeddings too."""
     import uvicorn
 
-    app = http_app(backend, scfg, engine)
+    app = http_app(backend, scfg, engine, embedder)
     uvicorn.run(app, host=scfg.host, port=scfg.port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
-def http_app(backend: Any, scfg: ServerConfig, engine: Engine | None = None) -> Any:
+def http_app(backend: Any, scfg: ServerConfig, engine: Engine | None = None, embedder: EmbedClient | None = None,
+             ) -> Any:
     """The app with /metrics (and the engine's own figures when it runs in this process) and /doctor/probe. A
     router's (engine None) imports no torch: tests/unit/test_house.py starts one and checks."""
     from kvseal.api.app import build_app
@@ -88,7 +92,12 @@ def http_app(backend: Any, scfg: ServerConfig, engine: Engine | None = None) -> 
 
         WorkerMetrics(EngineCollector(engine, labels={"endpoint": f"{scfg.host}:{scfg.port}"}), metrics.registry)
         metrics.registry.register(TenantCollector(engine))  # this /metrics is admin keys' only: tenants may show
-    app = build_app(MeteredBackend(backend, metrics), scfg)
+    app = build_app(MeteredBackend(backend, metrics), scfg, embedder)
+    if embedder is not None:
+        from kvseal.embed.metrics import EmbedMetrics
+
+        app.state.embed_metrics = EmbedMetrics(metrics.registry, lambda: embedder.last_card.queued_inputs
+                                               if embedder.last_card is not None else 0)
     install_metrics(app, metrics)
     install_probe(app, backend)
     return app

@@ -21,6 +21,7 @@ from kvseal.errors import KvsealError
 
 if TYPE_CHECKING:
     from kvseal.auth.keys import MemberKeys
+    from kvseal.embed.launch import EmbedSide
     from kvseal.router.disagg import DisaggBackend
 
 # the model for its tokenizer, the window to serve (default: the workers' model window) and the model id
@@ -63,7 +64,7 @@ def fleet_host(rcfg: RouterConfig, scfg: ServerConfig, keys: MemberKeys | None) 
 
 def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], decode: list[str],
                template: str | None, keys: MemberKeys | None = None,
-               server_keys: dict[str, str] | None = None) -> int:
+               server_keys: dict[str, str] | None = None, embed: EmbedSide | None = None) -> int:
     """The router over these workers' control endpoints, with the configs its command's flags give."""
     backend = router_backend(a, scfg, prefill, decode, template, keys, server_keys)
     logging.getLogger("kvseal").info("router on http://%s:%d: prefill %s, decode %s; ledger %s; fleet %s", scfg.host,
@@ -75,7 +76,8 @@ def run_router(a: argparse.Namespace, scfg: ServerConfig, prefill: list[str], de
     except KvsealError as err:
         print(f"kvseal router: refusing to start: {err.message}", file=sys.stderr)
         return 3
-    serve_http(backend, scfg, config_from_args(ProcessConfig, a).log_level)
+    serve_http(backend, scfg, config_from_args(ProcessConfig, a).log_level,
+               embedder=embed.client if embed is not None else None)
     if backend.ledger is not None:
         backend.ledger.close()
     return 0

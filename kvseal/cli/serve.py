@@ -19,6 +19,7 @@ from kvseal.cli.front import add_server_args, chat_template, one_tenant_notice, 
 from kvseal.cli.router import fleet_host, run_router
 from kvseal.config_args import add_config_args, add_engine_args, config_from_args, engine_config
 from kvseal.config_fleet import (
+    EmbedConfig,
     HandoffTimeouts,
     ProcessConfig,
     RouterConfig,
@@ -29,6 +30,8 @@ from kvseal.config_fleet import (
 from kvseal.metrics.token import add_metrics_token_arg, token_sha256
 
 if TYPE_CHECKING:
+    from kvseal.auth.keys import MemberKeys
+    from kvseal.embed.launch import EmbedSide
     from kvseal.worker.run import WorkerSpec
 
 # what a fleet on one host takes of the process configs: its workers bind loopback ports of their own, find the
@@ -51,6 +54,7 @@ def add_parser(sub: Subparsers[argparse.ArgumentParser]) -> None:
     add_fleet_key_args(p, serve=True)
     add_metrics_token_arg(p, serve=True)
     add_config_args(p, TransportConfig, only=SERVE_TRANSPORT)
+    add_config_args(p, EmbedConfig)
     p.set_defaults(func=cmd_serve)
 
 
@@ -64,9 +68,24 @@ def cmd_serve(a: argparse.Namespace) -> int:
     keys = member_keys(a, "router")  # fresh unless --fleet-keys DIR or off
     fleet_host(rcfg, scfg, keys)
     prefill_spec, decode_spec = worker_specs(a, os.cpu_count() or 1)
-    with Fleet(prefill_spec, decode_spec, serve.prefill, serve.decode, keys) as fleet:
-        return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints, template, fleet.router_keys,
-                          fleet.server_keys)
+    embed = embed_side(a, keys)  # a folder it cannot embed with stops the start before any worker does
+    try:
+        with Fleet(prefill_spec, decode_spec, serve.prefill, serve.decode, keys) as fleet:
+            return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints, template,
+                              fleet.router_keys, fleet.server_keys, embed)
+    finally:
+        if embed is not None:
+            embed.stop()
+
+
+def embed_side(a: argparse.Namespace, keys: MemberKeys | None) -> EmbedSide | None:
+    """The embed worker of --embed-model (None without it), its channel keyed with the router's fleet keys."""
+    cfg = config_from_args(EmbedConfig, a)
+    if cfg.model is None:
+        return None
+    from kvseal.embed.launch import EmbedSide
+
+    return EmbedSide(cfg, config_from_args(ProcessConfig, a).log_level, keys)
 
 
 def worker_specs(a: argparse.Namespace, cores: int) -> tuple[WorkerSpec, WorkerSpec]:
@@ -108,6 +127,9 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
                          f"worker metrics port (its engine's per-tenant figures are on /metrics, for admin keys); "
                          f"drop the flag, or serve without --unified")
     cfg, scfg, template = engine_config(a), server_config(a), chat_template(a)
+    # before the engine loads: a folder it cannot embed with stops the start; the worker loads meanwhile (it exits
+    # with this process, whatever stops it)
+    embed = embed_side(a, member_keys(a, "router"))  # fresh keys for its channel unless --fleet-keys off
     threads = config_from_args(WorkerConfig, a).threads
     if threads is not None:
         import torch
@@ -128,7 +150,12 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
         engine.context_window, engine.pool.capacity_tokens, engine.pool.num_pages, engine.pool.page_size,
         kv.kv_dtype, "on" if cfg.cache.scrub else "off", cfg.ledger.path or "off")
     one_tenant_notice(scfg)
-    serve_http(backend, scfg, config_from_args(ProcessConfig, a).log_level, engine)
+    try:
+        serve_http(backend, scfg, config_from_args(ProcessConfig, a).log_level, engine,
+                   embed.client if embed is not None else None)
+    finally:
+        if embed is not None:
+            embed.stop()
     if engine.ledger is not None:
         engine.ledger.close()
     return 0

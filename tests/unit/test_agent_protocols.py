@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+from pydantic import ValidationError
+
 from kvseal.api.anthropic_errors import from_openai
 from kvseal.api.anthropic_protocol import MessagesRequest
 from kvseal.api.responses_protocol import ResponsesRequest
@@ -63,3 +66,17 @@ def test_openai_error_bodies_become_anthropic_ones() -> None:
     assert json.loads(from_openai(401, body.encode()))["error"]["type"] == "authentication_error"
     assert json.loads(from_openai(503, body.encode()))["error"]["type"] == "overloaded_error"
     assert json.loads(from_openai(500, b"oops")) == {"type": "error", "error": {"type": "api_error", "message": "oops"}}
+
+
+def test_responses_include_asks_for_logprobs_or_nothing() -> None:
+    """The Agents SDK's `include: []` and `tools: []` ask for nothing; include's logprobs turn the engine's on with
+    top_logprobs alternatives; any other include value is refused, naming it."""
+    def body(**kw: object) -> ResponsesRequest:
+        return ResponsesRequest.model_validate({"model": "m", "input": "hi", **kw})
+
+    assert body(include=[], tools=[]).logprobs() is None and body(tools=[]).functions() is None
+    assert body(top_logprobs=3).logprobs() is None  # alternatives without include: none, as OpenAI's
+    assert body(include=["message.output_text.logprobs"]).logprobs() == 0
+    assert body(include=["message.output_text.logprobs"], top_logprobs=3).logprobs() == 3
+    with pytest.raises(ValidationError, match="'file_search_call.results' cannot be included"):
+        body(include=["message.output_text.logprobs", "file_search_call.results"])

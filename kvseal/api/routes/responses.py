@@ -15,6 +15,7 @@ from kvseal.api.responses_format import (
     ResponsesStream,
     Shell,
     assistant_turn,
+    logprob_entries,
     new_id,
     output_items,
     status_of,
@@ -47,7 +48,7 @@ def settings_of(body: ResponsesRequest) -> dict[str, Any]:
     return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
             "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "top_p": 1.0 if body.top_p is None else body.top_p, "top_logprobs": body.top_logprobs or 0,
             "tool_choice": c.model_dump() if c is not None and not isinstance(c, str) else (c or "auto"),
             "tools": [t.model_dump() for t in body.tools or []], "text": {"format": {"type": "text"}},
             "truncation": "disabled", "metadata": body.metadata or {}, "store": body.store, "user": body.user}
@@ -79,6 +80,10 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
         fits(store, tenant, conversation, settings_of(body))
     plan = plan_tools(backend.tokenizer.chat_template, body.functions(), body.choice(), body.parallel_tool_calls,
                       has_response_format=False)
+    logprobs = body.logprobs()
+    if plan is not None and logprobs is not None:  # as on /v1/chat/completions: a call's tokens are no text
+        raise InvalidRequest("include: message.output_text.logprobs cannot be combined with tools (tool_choice "
+                             "other than none)", param="include")
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     try:
         text = await texts.render(system + conversation, True, plan.template_tools if plan is not None else None)
@@ -92,6 +97,7 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
         top_p=1.0 if body.top_p is None else body.top_p,
         stop=plan.stops if plan is not None else (),
         response_format=plan.response_format if plan is not None else None,
+        logprobs=logprobs,
     )
     rid = new_id("resp_")
     shell = Shell(rid, backend.model_name, settings_of(body))
@@ -102,7 +108,8 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
 
     fan = await fan_out(request, rid, ids, params, 1, None)
     if body.stream:
-        return await respond.stream(request, fan, ResponsesStream(shell, plan.splitter() if plan else None, done))
+        return await respond.stream(request, fan, ResponsesStream(shell, plan.splitter() if plan else None, done,
+                                                                backend.tokenizer if logprobs is not None else None))
     samples = await respond.gather(request, fan)
     if isinstance(samples, JSONResponse):
         return samples
@@ -113,6 +120,8 @@ async def create(body: ResponsesRequest, request: Request) -> Any:
         items = output_items(splitter.feed(s.text) + splitter.finish())
     else:
         items = output_items([Text(s.text)])
+        if logprobs is not None and items:
+            items[0]["content"][0]["logprobs"] = logprob_entries(backend.tokenizer, s.lps or [])
     status = status_of(s.final)
     for item in items:
         if item["type"] == "message":

@@ -34,7 +34,10 @@ async def models(request: Request) -> dict[str, Any]:
     backend = backend_of(request)
     card = {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "kvseal",
             "max_model_len": backend.context_window}
-    return {"object": "list", "data": [card]}
+    embedder = getattr(request.app.state, "embedder", None)  # the embedding model beside it (routes/embeddings.py)
+    embed = [] if embedder is None else [{"id": embedder.name, "object": "model", "created": 0, "owned_by": "kvseal",
+                                          "max_model_len": embedder.pipeline.max_tokens}]
+    return {"object": "list", "data": [card, *embed]}
 
 
 @router.get("/version")
