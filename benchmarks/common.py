@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 # the pure pieces `kvseal bench` needs live in the package; the studies use them from there
@@ -140,6 +141,17 @@ def hf_model(ckpt: Any, dtype: str) -> Any:
 
 
 # -- a kvseal server on loopback -------------------------------------------------------------------------
+
+
+def checkout(rev: str, out: Path) -> Path:
+    """The kvseal package of git revision rev, extracted into out: a PYTHONPATH for that revision (run it with
+    PYTHONSAFEPATH=1, or `python -m` puts the working directory ahead of it)."""
+    repo = Path(__file__).resolve().parents[1]
+    archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "kvseal"], capture_output=True,
+                             check=True).stdout
+    out.mkdir(parents=True)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out
 
 
 def free_port() -> int:
