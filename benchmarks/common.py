@@ -154,6 +154,25 @@ def checkout(rev: str, out: Path) -> Path:
     return out
 
 
+def tree_cpu_s(pid: int) -> float:
+    """user + system seconds of a process and all its live descendants so far."""
+    import psutil
+
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return total
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -34,26 +34,9 @@ import psutil
 import torch
 
 from benchmarks import cpu_record
-from benchmarks.common import ManagedServer, checkout, free_port
+from benchmarks.common import ManagedServer, checkout, free_port, tree_cpu_s
 from benchmarks.limits import read_bandwidth
 from benchmarks.systems import Settings
-
-
-def tree_cpu_s(pid: int) -> float:
-    """user + system seconds of a process and all its descendants so far."""
-    total = 0.0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return total
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
 
 
 def bytes_per_token(model: str) -> dict[str, int]:
@@ -143,7 +126,10 @@ def servers(a: argparse.Namespace, tmp: Path) -> dict[str, tuple[list[str], dict
                       *kv_threads, "--kv-pool-tokens", "8192", "--log-level", "warning"],
                      # PYTHONSAFEPATH: `python -m` would put the working directory (this checkout) ahead of PYTHONPATH,
                      # in the server and in every worker it starts
-                     {"PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"})
+                     # a weights cache folder per side: the cache's name carries the kernels' version, and one
+                     # side's would replace the other's in a shared folder
+                     {"PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1",
+                      "KVSEAL_WEIGHTS_CACHE_DIR": str(Path(a.cache_root or tmp) / f"weights-{len(out)}")})
     return out
 
 
@@ -162,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="threads for every server (0: their defaults: kvseal's, and every core for llama-server)")
     p.add_argument("--bw-mb", type=int, default=1024)
     p.add_argument("--no-llama", action="store_true")
+    p.add_argument("--cache-root", default=None,
+                   help="where each side's weights cache folder goes (kept between runs; default: a temp folder)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if not os.path.exists(a.model):
