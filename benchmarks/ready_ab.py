@@ -5,7 +5,7 @@ and, with --base, from another revision's package, one start after another, roun
 
 Ready = seconds from spawning the server to its first 200 on /health (polled every 20 ms), as benchmarks.baselines
 measures it, and the CPU seconds (user + system) its process tree had used by then; the server is then stopped
-(SIGTERM to its process group) before the next one starts. Every kvseal side gets a warm-up start first (its kernels
+(SIGTERM to its process group) before the next one starts. Every side gets a warm-up start first (its kernels
 compiled, its weights cache built, in a weights cache folder of its own: the cache's name carries the kernels'
 version), so every timed start is a cached one. llama-server runs as the issue-32 table ran it (`-np 32 -cb -c
 65536`, every core). On a shared machine the load average is printed with every start: compare medians of alternated
@@ -15,6 +15,7 @@ rounds, and say the load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,26 @@ from benchmarks.systems import Settings
 REPO = Path(__file__).resolve().parents[1]
 
 
+class Died(RuntimeError):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def start_timed(argv: list[str], env: dict[str, str], tries: int = 3) -> tuple[float, float]:
+    """ready_once on a free port, started again (up to `tries` times) when a signal from outside stopped it before
+    it was ready: on a shared machine another session's clean-up may kill a server by name."""
+    for attempt in range(tries):
+        port = free_port()
+        try:
+            return ready_once([*argv, "--port", str(port)], env, port)
+        except Died as e:
+            if e.code >= 0 or attempt == tries - 1:
+                raise
+            print(f"  {argv[0]} killed by signal {-e.code} before it was ready; starting it again", flush=True)
+    raise AssertionError("unreachable")
+
+
 def ready_once(argv: list[str], env: dict[str, str], port: int, timeout: float = 300.0) -> tuple[float, float]:
     """(seconds from spawn to the first 200 on /health, the process tree's CPU seconds by then); the server is
     stopped before returning."""
@@ -48,16 +69,18 @@ def ready_once(argv: list[str], env: dict[str, str], port: int, timeout: float =
             except httpx.HTTPError:
                 pass
             if p.poll() is not None:
-                raise RuntimeError(f"{argv[:4]} exited with {p.returncode} before it was ready")
+                raise Died(f"{argv[:4]} exited with {p.returncode} before it was ready", p.returncode)
             if time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"{argv[:4]} not ready after {timeout:g} s")
             time.sleep(0.02)
     finally:
-        os.killpg(p.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # gone already
+            os.killpg(p.pid, signal.SIGTERM)
         try:
             p.wait(30)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
             p.wait()
 
 
@@ -95,10 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         a.model = str(Path.home() / ".cache" / "kvseal" / "models" / a.model)
     with tempfile.TemporaryDirectory(prefix="kvseal-ready-") as tmp:
         runs = sides(a, Path(tmp))
-        for name, (cmd, env) in runs.items():  # warm-up: kernels built, weights cache written, files cached
-            if name.startswith("kvseal"):
-                port = free_port()
-                ready_once([*cmd, "--port", str(port)], env, port, timeout=1800.0)
+        for cmd, env in runs.values():  # warm-up: kernels built, weights caches written, files in the page cache
+            port = free_port()
+            ready_once([*cmd, "--port", str(port)], env, port, timeout=1800.0)
         times: dict[str, list[float]] = {n: [] for n in runs}
         cpus: dict[str, list[float]] = {n: [] for n in runs}
         loads: list[float] = []
@@ -106,9 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(a.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:  # the order rotates round by round
                 cmd, env = runs[name]
-                port = free_port()
                 loads.append(os.getloadavg()[0])
-                wall, cpu = ready_once([*cmd, "--port", str(port)], env, port)
+                wall, cpu = start_timed(cmd, env)
                 times[name].append(wall)
                 cpus[name].append(cpu)
                 print(f"round {r + 1} {name}: {wall:.2f} s, {cpu:.2f} CPU s (load {loads[-1]:.1f})", flush=True)
