@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not Path(a.model).exists():
         a.model = str(Path.home() / ".cache" / "kvseal" / "models" / a.model)
+    # a weights cache of its own: the cache's name carries the kernels' version, and this checkout's would replace
+    # the shared folder's for every other process that loads the same file
+    os.environ.setdefault("KVSEAL_WEIGHTS_CACHE_DIR", str(Path(tempfile.gettempdir()) / "kvseal-m1-stream-weights"))
     torch.set_num_threads(a.threads)
     clock = time.thread_time if a.threads == 1 else time.perf_counter
     mats = model_matrices(a.model)
