@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 # the pure pieces `kvseal bench` needs live in the package; the studies use them from there
@@ -140,6 +141,36 @@ def hf_model(ckpt: Any, dtype: str) -> Any:
 
 
 # -- a kvseal server on loopback -------------------------------------------------------------------------
+
+
+def checkout(rev: str, out: Path) -> Path:
+    """The kvseal package of git revision rev, extracted into out: a PYTHONPATH for that revision (run it with
+    PYTHONSAFEPATH=1, or `python -m` puts the working directory ahead of it)."""
+    repo = Path(__file__).resolve().parents[1]
+    archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "kvseal"], capture_output=True,
+                             check=True).stdout
+    out.mkdir(parents=True)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out
+
+
+def tree_cpu_s(pid: int) -> float:
+    """user + system seconds of a process and all its live descendants so far."""
+    import psutil
+
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return total
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
 
 
 def free_port() -> int:

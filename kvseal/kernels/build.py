@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.c", "dequant.c", "qpack.c", "qgemm.c", "qunpack.c",
-                                                     "qamx.c", "peak.c", "attention.c", "forward.c"))
+                                                     "qvec.c", "qamx.c", "peak.c", "attention.c", "forward.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("kvs.h", "qgemm.h", "qtile.h"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-D_ISOC11_SOURCE")
 CPU_FLAGS = ("avx2", "fma", "f16c")

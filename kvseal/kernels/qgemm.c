@@ -371,6 +371,10 @@ int kvs_qlinear_mat(const kvs_mat *mat, int64_t K, const float *x, int64_t M, fl
                             failed = 1;
                         continue;
                     }
+                    if (M == 1 && isa >= 3 && kvs_qvec_takes(type)) {
+                        kvs_qvec_tile(type, tile, nu, &xr, yt, ncols);
+                        continue;
+                    }
                     const int64_t mr = isa >= 3 ? MR512 : type == QT_Q6_K || type == QT_Q8_0 ? 4 : MR256;
                     for (int64_t m = 0; m < rows; m += mr)
                         fn(type, tile, nu, &xr, K, m0 + m, rows - m < mr ? rows - m : mr, yt + m * N, N, ncols);

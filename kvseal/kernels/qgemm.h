@@ -40,6 +40,12 @@ int64_t kvs_qup_work_bytes(void);
 void kvs_qup_unpack(int type, const uint8_t *tile, int64_t nu, uint8_t *out, int vnni);
 void kvs_qup_tile(int amx, int type, const uint8_t *tile, int64_t K, const qtiles *x, int64_t m0, int64_t rows,
                   float *y, int64_t ldy, int64_t ncols, uint8_t *work, const uint8_t *next, int64_t next_bytes);
+/* one row of x (qvec.c): AVX-512-VNNI, the types kvs_qvec_takes */
+#ifndef PF_AHEAD
+#define PF_AHEAD 2048 /* bytes ahead of the block being multiplied that one-row products prefetch into L2 */
+#endif
+int kvs_qvec_takes(int type);
+void kvs_qvec_tile(int type, const uint8_t *tile, int64_t nu, const qrows *x, float *y, int64_t ncols);
 /* AMX int8 tiles (qamx.c) */
 int kvs_qamx_usable(void);
 void kvs_qamx_begin(void);

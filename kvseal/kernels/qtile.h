@@ -37,6 +37,8 @@ static inline __attribute__((always_inline)) void CAT(tile_body_, ISA)(
                 const uint8_t *blk = kq ? ub + hdr + s * sub : ub;
                 const int8_t *xb[MRX];
                 for (int r = 0; r < mr; r++) xb[r] = x->qx + (m0 + r) * K + b * QK;
+                if (mr == 1) /* one row: the weights stream past once; keep the reads ahead (qvec.c) */
+                    for (int64_t l = 0; l < (kq ? sub : tb); l += 64) _mm_prefetch((const char *)blk + PF_AHEAD + l, _MM_HINT_T1);
                 VI a[MRX], is[MRX];
                 for (int r = 0; r < MRX; r++) a[r] = is[r] = I_ZERO();
                 VF D, M = F_ZERO();

@@ -9,6 +9,8 @@ Capacity in tokens = num_pages * page_size.
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +40,18 @@ def pool_num_pages(arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, defa
     return pages
 
 
+def zeroed_cpu(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros in an anonymous private map: the kernel zeroes each page when it is first touched, so a
+    pool of gigabytes costs nothing at start (torch.zeros wrote every page: 1.1 to 1.8 s for the 1.5B's
+    65,536-token pool on 2 cores) and holds memory only for the pages used. The tensor keeps the map alive
+    (torch.frombuffer holds a reference to it; every view does through the storage)."""
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    m = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size(), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(m, dtype=dtype, count=numel).view(shape)
+
+
 LAYOUTS = ("std", "kt")
 
 
@@ -57,8 +71,9 @@ class KVPool:
         nl = arch.num_layers if num_layers is None else num_layers
         shape = (nl, num_pages, page_size, arch.num_kv_heads, arch.head_dim)
         kshape = (nl, num_pages, arch.num_kv_heads, arch.head_dim, page_size) if layout == "kt" else shape
-        self.k = torch.zeros(kshape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # zeros: on the CPU in memory the kernel zeroes on first touch (zeroed_cpu)
+        self.k, self.v = (zeroed_cpu(s, dtype) if device.type == "cpu" else torch.zeros(s, dtype=dtype, device=device)
+                          for s in (kshape, shape))
         self.num_pages, self.page_size, self.dtype, self.layout = num_pages, page_size, dtype, layout
         self.layout_name = layout_name(arch, layout)
         self.bytes_per_token = kv_bytes_per_token(arch, dtype)  # every layer's: a handoff's unit

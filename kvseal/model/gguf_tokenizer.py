@@ -13,6 +13,8 @@ ids as `AutoTokenizer.from_pretrained(dir, gguf_file=...)`:
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import re
 from typing import Any
 
@@ -82,6 +84,36 @@ def _token_id(reader: GGUFFile, key: str, n_tokens: int) -> int | None:
     return int(tid)
 
 
+def _byte_level_vocab(tokens: list[str], spelling: dict[int, str], outside: re.Pattern[str]) -> dict[str, int]:
+    """token -> id, each token re-spelled into the byte alphabet when it has a character outside it, as
+    {respell(t) if outside.search(t) else t: i for i, t in enumerate(tokens)} (a later id wins a clash), with
+    the search run once over all the tokens joined (C speed: 151,936 tokens in ms, not 0.1 s)."""
+    keys = list(tokens)
+    joined = "".join(tokens)
+    if outside.search(joined):
+        ends = list(itertools.accumulate(map(len, tokens)))  # token i spans [ends[i] - len, ends[i])
+        for i in sorted({bisect.bisect_right(ends, m.start()) for m in outside.finditer(joined)}):
+            keys[i] = "".join(spelling[b] for b in tokens[i].encode("utf-8"))
+    return dict(zip(keys, range(len(keys)), strict=True))
+
+
+def _merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
+    """Each merge "a b" split on its one space into (a, b); ValueError naming the first entry that is not two
+    tokens and one space. When no merge holds a newline, the checks and the split run on the merges joined by
+    newlines (C speed: 151,387 merges in ms, not 0.15 s): every merge has exactly one space when no line lacks one
+    and there are as many spaces as lines."""
+    joined = "\n".join(merges)
+    if (joined.count("\n") == len(merges) - 1 and joined.count(" ") == len(merges)
+            and not re.search(r"^[^ \n]*$", joined, re.MULTILINE)):
+        parts = joined.replace("\n", " ").split(" ")
+        return list(zip(parts[0::2], parts[1::2], strict=True))
+    split = [m.split(" ") for m in merges]
+    bad = next((m for m, pair in zip(merges, split, strict=True) if len(pair) != 2), None)
+    if bad is not None:
+        raise ValueError(f"GGUF tokenizer.ggml.merges entry {bad!r} is not two tokens separated by one space")
+    return [(a, b) for a, b in split]
+
+
 def tokenizer_from_gguf_reader(reader: GGUFFile) -> Tokenizer:
     model = gguf_field(reader, "tokenizer.ggml.model")
     if model == "llama":
@@ -140,15 +172,8 @@ def _bpe(reader: GGUFFile, tokens: list[str], merges: list[str]) -> tuple[tokeni
     alphabet = set(spelling.values())
     outside = re.compile("[^" + "".join(re.escape(c) for c in sorted(alphabet)) + "]")  # a C-speed check
 
-    def respell(token: str) -> str:
-        return "".join(spelling[b] for b in token.encode("utf-8"))
-
-    vocab = {respell(t) if outside.search(t) else t: i for i, t in enumerate(tokens)}
-    split = [m.split(" ") for m in merges]
-    bad = next((m for m, pair in zip(merges, split) if len(pair) != 2), None)
-    if bad is not None:
-        raise ValueError(f"GGUF tokenizer.ggml.merges entry {bad!r} is not two tokens separated by one space")
-    merge_pairs = [(a, b) for a, b in split]
+    vocab = _byte_level_vocab(tokens, spelling, outside)
+    merge_pairs = _merge_pairs(merges)
     bpe = models.BPE(
         vocab=vocab,
         merges=merge_pairs,

@@ -12,12 +12,12 @@ $PY -m pip download -q --no-deps cmeel-simde==0.8.2 -d "$WORK/wheel"
 (cd "$WORK" && unzip -q wheel/*.whl -d simde)
 cp kvseal/kernels/*.c kvseal/kernels/*.h "$HERE/emu.h" "$WORK/"
 # the same sources, with the per-function ISA pragmas removed and the intrinsics taken from SIMDe
-# (qunpack.c's AVX-512-VNNI over unpacked tiles too; qamx.c stays native: AMX cannot be emulated, and it runs only
-# where CPUID and the OS allow it, never on the AVX2 host this is for)
-sed -i 's/^#pragma GCC .*$//' "$WORK/qgemm.c" "$WORK/qunpack.c"
-sed -i 's/^#include <immintrin.h>$/#include "emu.h"/' "$WORK/qgemm.c" "$WORK/qgemm.h" "$WORK/qunpack.c"
+# (qunpack.c's AVX-512-VNNI over unpacked tiles and qvec.c's one-row products too; qamx.c stays native: AMX cannot
+# be emulated, and it runs only where CPUID and the OS allow it, never on the AVX2 host this is for)
+sed -i 's/^#pragma GCC .*$//' "$WORK/qgemm.c" "$WORK/qunpack.c" "$WORK/qvec.c"
+sed -i 's/^#include <immintrin.h>$/#include "emu.h"/' "$WORK/qgemm.c" "$WORK/qgemm.h" "$WORK/qunpack.c" "$WORK/qvec.c"
 (cd "$WORK" && gcc -O2 -mavx2 -mfma -mf16c -fopenmp -fPIC -shared -std=gnu11 -D_ISOC11_SOURCE \
-    -I simde/cmeel.prefix/include -o libemu.so cpu_kernels.c dequant.c qpack.c qgemm.c qunpack.c qamx.c peak.c attention.c forward.c)
+    -I simde/cmeel.prefix/include -o libemu.so cpu_kernels.c dequant.c qpack.c qgemm.c qunpack.c qvec.c qamx.c peak.c attention.c forward.c)
 REAL=$(PYTHONPATH=$PWD $PY -c "from kvseal.kernels import build; print(build.build())")
 KVSEAL_QISA=1 PYTHONPATH=$PWD $PY "$HERE/run.py" "$REAL" > "$WORK/real.json"
 for isa in 1 2 3; do KVSEAL_QISA=$isa PYTHONPATH=$PWD $PY "$HERE/run.py" "$WORK/libemu.so" > "$WORK/$isa.json"; done

@@ -150,7 +150,9 @@ out = {"isa": ops.qisa()}
 for qtype in (0, 1, 30, 2, 3, 6, 8, 12, 13, 14):
     for k in ((512, 768) if qtype >= 12 else (192, 224)):  # 224: an odd number of blocks
         w = ops.QWeight.pack(random_blocks(qtype, 50, k, seed=qtype))
-        for m in (11, 40):  # 40: AMX tiles where the set is amx-int8 (from 16 rows), three row tiles, one partial
+        # 1: one row (qvec.c on AVX-512); 40: AMX tiles where the set is amx-int8 (from 16 rows), three row tiles,
+        # one partial
+        for m in (1, 11, 40):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(qtype + m))
             out[f"{qtype}/{k}/{m}"] = ops.qlinear(x, w).numpy().tobytes().hex()
 out["attn"] = attention_case()[0].numpy().tobytes().hex()

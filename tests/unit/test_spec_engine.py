@@ -162,8 +162,9 @@ def _chi2_critical(df: int) -> float:
 
 def test_sampled_tokens_keep_their_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fixed seeds (the engine's: a request with a seed of its own never drafts): the second and third tokens of 600
-    sampled requests with drafts against 600 without, a two-sample chi-square over the tokens seen (rare ones pooled). The draft is the second token seen most often without drafts
-    (a fake draft source: the tiny model at temperature 1 repeats little), so it is often accepted and often not."""
+    sampled requests with drafts against 600 without, a two-sample chi-square over the tokens seen (rare ones
+    pooled). The draft is the second token seen most often without drafts (a fake draft source: the tiny model at
+    temperature 1 repeats little), so it is often accepted and often not."""
     ck = tiny_checkpoint()
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
     text = prompt(12, 4)  # the tiny model spreads its next tokens after this one (most likely: about a third)
