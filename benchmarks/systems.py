@@ -25,6 +25,7 @@ SYSTEMS: dict[str, str] = {
     "kvseal-disagg": "kvseal disagg 1P+1D",
     "kvseal-exact": "kvseal unified --arithmetic exact",
     "kvseal-torch": "kvseal unified --kernels torch",
+    "kvseal-nospec": "kvseal unified --speculative off",
     "llama-server": "llama.cpp llama-server -cb",
     "vllm": "vLLM CPU bf16 (prefix cache on)",
     "hf": "transformers (static batches)",
@@ -33,12 +34,14 @@ SYSTEMS: dict[str, str] = {
     "kvseal-disagg-curve": "kvseal disagg 1P+1D --kv-channel curve",
 }
 # llama-cpp-python's server serves one request at a time: not a peer anyone deploys for concurrency, so it
-# runs only when named; so do the fleet-key variants of kvseal-disagg (what the keys cost, docs/benchmarks.md).
+# runs only when named; so do the fleet-key variants of kvseal-disagg (what the keys cost, docs/benchmarks.md) and
+# kvseal without drafts (one stream at the bandwidth limit, against a peer that does not draft either).
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in ("llama-cpp-python", "kvseal-disagg-nokeys",
-                                                         "kvseal-disagg-curve"))
+                                                         "kvseal-disagg-curve", "kvseal-nospec"))
 KVSEAL_MODES = {"kvseal": ("--unified",), "kvseal-disagg": ("--prefill", "1", "--decode", "1"),
                 "kvseal-exact": ("--unified", "--arithmetic", "exact"),
                 "kvseal-torch": ("--unified", "--kernels", "torch"),
+                "kvseal-nospec": ("--unified", "--speculative", "off"),
                 "kvseal-disagg-nokeys": ("--prefill", "1", "--decode", "1", "--fleet-keys", "off"),
                 "kvseal-disagg-curve": ("--prefill", "1", "--decode", "1", "--kv-channel", "curve")}
 

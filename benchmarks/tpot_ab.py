@@ -122,8 +122,11 @@ def servers(a: argparse.Namespace, tmp: Path) -> dict[str, tuple[list[str], dict
                                 "1", "-c", "4096", "--no-cache-prompt"], {})
     trees = ([(f"kvseal @{a.base}", checkout(a.base, tmp / "base"))] if a.base else []) + [("kvseal", REPO)]
     for name, tree in trees:
+        # this checkout decodes one token a step (--speculative off unless told): the bandwidth path is measured,
+        # against a llama-server that does not draft either; a --base tree keeps its own defaults
+        spec = ["--speculative", a.speculative] if tree == REPO else []
         out[name] = ([sys.executable, "-m", "kvseal", "serve", a.model, "--unified", "--host", "127.0.0.1",
-                      *kv_threads, "--kv-pool-tokens", "8192", "--log-level", "warning"],
+                      *kv_threads, *spec, "--kv-pool-tokens", "8192", "--log-level", "warning"],
                      # PYTHONSAFEPATH: `python -m` would put the working directory (this checkout) ahead of PYTHONPATH,
                      # in the server and in every worker it starts
                      # a weights cache folder per side: the cache's name carries the kernels' version, and one
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="threads for every server (0: their defaults: kvseal's, and every core for llama-server)")
     p.add_argument("--bw-mb", type=int, default=1024)
     p.add_argument("--no-llama", action="store_true")
+    p.add_argument("--speculative", default="off", choices=["off", "lookup"],
+                   help="this checkout's --speculative (default off: one token a step, the bandwidth path)")
     p.add_argument("--cache-root", default=None,
                    help="where each side's weights cache folder goes (kept between runs; default: a temp folder)")
     p.add_argument("--json", default=None)

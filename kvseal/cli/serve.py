@@ -119,7 +119,7 @@ def worker_threads(a: argparse.Namespace, cores: int) -> tuple[int, int]:
 
 
 def cmd_serve_unified(a: argparse.Namespace) -> int:
-    from kvseal.engine.engine import Engine
+    from kvseal.engine.engine import Engine, StepThreads
     from kvseal.worker.unified import UnifiedBackend
 
     if a.metrics_token_file is not None:
@@ -138,10 +138,10 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
     engine = Engine(cfg)
     cores = os.cpu_count() or 1
     if threads is None and cores >= 2:
-        # the HTTP side (parsing, templates, one SSE event per token) runs in this process too: decode steps leave
-        # it a core (measured on 2 cores: 1.2-1.9x the tok/s of two engine threads over HTTP, docs/benchmarks.md),
-        # prompt chunks of 256 tokens and more take every core
-        engine.step_threads = (cores - 1, cores, 256)
+        # the HTTP side (parsing, templates, one SSE event per token) runs in this process too: decode steps of
+        # more than two requests leave it a core, prompt chunks of 256 tokens and more and steps of one or two
+        # requests take every core (engine.StepThreads)
+        engine.step_threads = StepThreads(small=cores - 1, big=cores, big_from=256, few=2)
     backend = UnifiedBackend(engine, cfg.model.served_name, template)
     kv = engine.kv_spec
     logging.getLogger("kvseal").info(
