@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Pages
 from functools import partial
+from itertools import accumulate
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -365,7 +366,7 @@ class Engine:
         if result.logits is None:
             return [], {}
         logits = result.logits
-        ends = torch.tensor(result.rows).cumsum(0).tolist()
+        ends = list(accumulate(result.rows))  # each sequence's last row + 1
         plain = [i for i, r in enumerate(result.rows) if r == 1]
         rows = logits if len(plain) == len(ends) else logits[[ends[i] - 1 for i in plain]]
         seqs = [result.sampled[i] for i in plain]
