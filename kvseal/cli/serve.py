@@ -119,7 +119,7 @@ def worker_threads(a: argparse.Namespace, cores: int) -> tuple[int, int]:
 
 
 def cmd_serve_unified(a: argparse.Namespace) -> int:
-    from kvseal.engine.engine import Engine, StepThreads
+    from kvseal.engine.engine import Engine
     from kvseal.worker.unified import UnifiedBackend
 
     if a.metrics_token_file is not None:
@@ -135,13 +135,10 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(max(1, threads))
+    # every step runs on the threads torch has (every core unless --threads): the HTTP side in this process is a
+    # few events a step and does not need a core of its own (1.32x the tok/s of leaving it one at 32 streams on the
+    # 1.5B, no worse on the bundled model: docs/benchmarks.md, issue 32)
     engine = Engine(cfg)
-    cores = os.cpu_count() or 1
-    if threads is None and cores >= 2:
-        # the HTTP side (parsing, templates, one SSE event per token) runs in this process too: decode steps of
-        # more than two requests leave it a core, prompt chunks of 256 tokens and more and steps of one or two
-        # requests take every core (engine.StepThreads)
-        engine.step_threads = StepThreads(small=cores - 1, big=cores, big_from=256, few=2)
     backend = UnifiedBackend(engine, cfg.model.served_name, template)
     kv = engine.kv_spec
     logging.getLogger("kvseal").info(

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Pages
 from functools import partial
 from itertools import accumulate
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -59,19 +59,6 @@ Pick = tuple[Sequence, list[int], list[TokenLogprob | None]]  # a sequence's new
 # what each role adds to the one Engine (engine/connector.py): the engine builds its own from its role
 CONNECTORS: dict[Role, type[KVConnector]] = {Role.UNIFIED: KVConnector, Role.PREFILL: PrefillConnector,
                                              Role.DECODE: DecodeConnector}
-
-
-class StepThreads(NamedTuple):
-    """The threads of each step of an engine that shares its process with the HTTP server (`kvseal serve
-    --unified`). The HTTP side streams one event per request and token: a decode step of many requests leaves it a
-    core (`small` threads; on 2 cores 1.2-1.9x the tok/s of two engine threads at 32 streams). Prompt chunks of at
-    least `big_from` tokens, and steps of at most `few` requests, whose HTTP side is a few events a step, take every
-    core (`big`): one stream's decode reads its weights on both cores (docs/benchmarks.md, issue 32)."""
-
-    small: int
-    big: int
-    big_from: int
-    few: int
 
 
 class Engine:
@@ -122,9 +109,6 @@ class Engine:
         self.kv = CONNECTORS[role](self)  # a disaggregated role's handoff (engine/connector.py)
         self._out: list[tuple[Sequence, GenerateDelta]] = []  # each delta with the request it is for (its route)
         self._rng = torch.Generator().manual_seed(cfg.seed)
-        # an engine that shares its process with the HTTP server (StepThreads): None, the threads torch was given
-        self.step_threads: StepThreads | None = None
-        self._threads_now = 0
 
     def _scrub(self, pages: Pages[int]) -> None:
         self.pool.scrub(pages)
@@ -337,8 +321,6 @@ class Engine:
 
     def _run(self, batch: Batch) -> StepResult:
         """The forward pass; a sequence whose page table names pages it does not own fails (seal 5)."""
-        if self.step_threads is not None:
-            self._set_step_threads(sum(batch.num_new), len(batch.seqs))
         result = self.runner.run(batch)
         self.ownership_violations += len(result.violations)
         for seq in result.violations:
@@ -403,16 +385,6 @@ class Engine:
             for seq in self.compiling():
                 assert seq.after_grammar is not None
                 self.with_grammar(seq, seq.after_grammar)
-
-    def _set_step_threads(self, tokens: int, seqs: int) -> None:
-        assert self.step_threads is not None
-        small, big, big_from, few = self.step_threads
-        n = big if tokens >= big_from or seqs <= few else small
-        if n != self._threads_now and self.kernels == "native":
-            from kvseal.kernels.ops import set_threads
-
-            set_threads(n)
-            self._threads_now = n
 
     def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> None:
         if seq.life.state in (State.PREFILLING, State.VERIFIED):
