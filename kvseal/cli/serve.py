@@ -120,6 +120,7 @@ def worker_threads(a: argparse.Namespace, cores: int) -> tuple[int, int]:
 
 def cmd_serve_unified(a: argparse.Namespace) -> int:
     from kvseal.engine.engine import Engine
+    from kvseal.kernels.ops import one_thread_here
     from kvseal.worker.unified import UnifiedBackend
 
     if a.metrics_token_file is not None:
@@ -135,11 +136,13 @@ def cmd_serve_unified(a: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(max(1, threads))
-    # every step runs on the threads torch has (every core unless --threads): the HTTP side in this process is a
-    # few events a step and does not need a core of its own (1.32x the tok/s of leaving it one at 32 streams on the
-    # 1.5B, no worse on the bundled model: docs/benchmarks.md, issue 32)
+    # every step runs on the engine loop's thread with the threads torch has (every core unless --threads): the
+    # HTTP side is a few events a step and needs no core of its own (1.32x the tok/s of leaving it one at 32
+    # streams on the 1.5B). This thread loads on one, so the loop's is the process's only OpenMP team
+    # (kernels.ops.one_thread_here; docs/benchmarks.md, issue 32)
+    loop_threads = one_thread_here()
     engine = Engine(cfg)
-    backend = UnifiedBackend(engine, cfg.model.served_name, template)
+    backend = UnifiedBackend(engine, cfg.model.served_name, template, loop_threads)
     kv = engine.kv_spec
     logging.getLogger("kvseal").info(
         "serving %s (%s) on http://%s:%d: context window %d tokens, KV pool %d tokens (%d pages of %d), "

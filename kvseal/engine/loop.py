@@ -22,8 +22,10 @@ log = logging.getLogger("kvseal.engine")
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, on_output: Callable[[list[GenerateDelta]], None]) -> None:
+    def __init__(self, engine: Engine, on_output: Callable[[list[GenerateDelta]], None],
+                 threads: int | None = None) -> None:
         self.engine = engine
+        self.threads = threads  # torch's thread count for the loop thread (None: what torch has)
         self._on_output = on_output
         self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -60,6 +62,10 @@ class EngineLoop:
         return fut
 
     def _run(self) -> None:
+        if self.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.threads)
         if self.engine.kernels == "native":
             from kvseal.kernels.ops import match_torch_threads
 

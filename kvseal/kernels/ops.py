@@ -43,6 +43,18 @@ def set_threads(n: int) -> None:
     lib().kvs_set_threads(n)
 
 
+def one_thread_here() -> int:
+    """torch's and the kernels' work runs on one thread from now on, so the calling thread never starts an OpenMP
+    team; returns the count torch had, for the engine loop's thread to take (EngineLoop's `threads`). For a thread
+    that loads an engine and hands it to a loop thread (`kvseal serve --unified`): once a process holds more OpenMP
+    threads than CPUs, libgomp waits at each barrier for about 100 spins and then sleeps, and a second team beside
+    the loop's made one stream's decode 1.4x slower (docs/benchmarks.md, issue 32)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # torch's count and its BLAS's, which are process-wide; the loop thread sets them back
+    lib().kvs_set_threads(1)
+    return n
+
+
 def match_torch_threads() -> None:
     """Give the calling thread's kernel calls torch's thread count (OpenMP's is per thread; an engine that steps
     on a thread of its own would otherwise use every core whatever --threads says)."""

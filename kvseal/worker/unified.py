@@ -13,14 +13,15 @@ from kvseal.wire.messages import GenerateDelta, GenerateRequest
 
 
 class UnifiedBackend:
-    def __init__(self, engine: Engine, model_name: str | None = None, chat_template: str | None = None) -> None:
+    def __init__(self, engine: Engine, model_name: str | None = None, chat_template: str | None = None,
+                 threads: int | None = None) -> None:
         self.engine = engine
         self.model_name = model_name or engine.ckpt_name
         # the API renders chats with this tokenizer; --chat-template replaces the model's own template
         self.tokenizer = engine.tokenizer if chat_template is None else engine.tokenizer.with_chat_template(
             chat_template)
         self.context_window = engine.context_window
-        self._loop = EngineLoop(engine, self._on_output)
+        self._loop = EngineLoop(engine, self._on_output, threads)  # threads: the engine loop's (EngineLoop)
         self._queues: dict[str, asyncio.Queue[GenerateDelta]] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
 

@@ -4,6 +4,8 @@ streams on the 1.5B (docs/benchmarks.md, issue 32)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import torch
@@ -52,3 +54,44 @@ def test_every_step_of_the_loop_runs_on_the_threads_torch_has(tiny: Checkpoint) 
         ops.set_threads(before)
     assert any(k >= 3 and t <= 2 * k for k, t, _ in seen), seen  # decode steps of many requests ran (with drafts)
     assert {n for _, _, n in seen} == {2}, seen
+
+
+_TEAMS = """
+import os, sys, threading, torch
+from kvseal.kernels import ops
+def threads(): return len(os.listdir("/proc/self/task"))
+torch.set_num_threads(2)
+a = torch.randn(512, 512)
+n = ops.one_thread_here() if sys.argv[1] == "one" else 2
+t0 = threads()
+(a @ a).sum(); ops.lib()  # work on this thread, as the engine's load is
+t1 = threads()
+seen = []
+def loop():
+    torch.set_num_threads(n)  # what EngineLoop(threads=n) does first
+    ops.match_torch_threads()
+    seen.append(f"{torch.get_num_threads()}/{ops.lib().kvs_get_threads()}")
+    for _ in range(3): (a @ a).sum()
+    seen.append(threads())
+th = threading.Thread(target=loop); th.start(); th.join()
+print(t0, t1, *seen)
+"""
+
+
+def _teams(mode: str) -> tuple[int, int, str, int]:
+    out = subprocess.run([sys.executable, "-c", _TEAMS, mode], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    t0, t1, counts, t2 = out.stdout.split()
+    return int(t0), int(t1), counts, int(t2)
+
+
+def test_the_loading_thread_starts_no_openmp_team_beside_the_loops() -> None:
+    """libgomp spins at a barrier only while a process holds no more OpenMP threads than CPUs: the thread that loads
+    the engine and hands it to a loop thread (`kvseal serve --unified`) must not start a team of its own."""
+    t0, t1, counts, t2 = _teams("one")
+    assert t1 == t0  # the load's work started no OpenMP thread
+    assert counts == "2/2"  # the loop thread takes torch's count
+    assert t2 == t0 + 2  # the loop thread and its one OpenMP worker, nothing else
+    t0, t1, _, t2 = _teams("none")
+    assert t1 == t0 + 1 and t2 == t0 + 3  # without it the same work starts a second team (the test sees it)
