@@ -1,6 +1,6 @@
 """Where a long prompt's prefill time goes, per op, for each arithmetic: the "before and after" of issue 8.
 
-    python -m benchmarks.prefill_profile --prompt-len 2000 --threads 2 --repeats 3
+    python -m benchmarks.prefill_profile --prompt-len 2000 --threads 2 --repeats 3 [--model M.gguf]
 
 For each arithmetic (`exact`, the float32 set that was the default before, and `fast`), one in-process engine
 (512-token chunks) prefills the same random prompt with max_tokens=1:
@@ -101,6 +101,7 @@ def profile(e: Engine, ids: list[int], model_args: tuple[int, int, int]) -> tupl
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.prefill_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a .gguf file or a model folder (default: the bundled model)")
     p.add_argument("--prompt-len", type=int, default=2000)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     ops.match_torch_threads()  # the kernels' OpenMP threads = torch's
-    ckpt = load_checkpoint(None)
+    ckpt = load_checkpoint(a.model)
     arch = ckpt.arch
     ids = [random.Random(0).randrange(1000, 20000) for _ in range(a.prompt_len)]
     window = max(4096, a.prompt_len + 16)
