@@ -18,8 +18,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 KV_TRANSPORTS = ("zmq", "nixl")
 KV_CHANNELS = ("mac", "curve")
 THREADS_HELP = ("CPU threads for torch and the kernels in this process (default: `kvseal serve` splits the cores "
-                "among its workers; `kvseal serve --unified` uses every core for prompt chunks of 256 tokens or more "
-                "and leaves one to the HTTP server on smaller steps)")
+                "among its workers; `kvseal serve --unified` steps its engine on every core)")
 
 
 def _port(name: str, value: int, lowest: int = 0) -> None:
