@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,8 +21,28 @@ from kvseal.wire.protocol import LAUNCHER_PID_ENV
 READY_TIMEOUT = float(os.environ.get("KVSEAL_TEST_READY_TIMEOUT", "180"))
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, below the kernel's ephemeral range: a socket that binds port 0 meanwhile (another
+    test's worker metrics server, a client) is never given it before the server this is for binds it (once a
+    worker's metrics server took a test server's port and answered its /health)."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that range is full: any free port
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
