@@ -51,7 +51,7 @@ def one_thread_here() -> int:
     the loop's made one stream's decode 1.4x slower (docs/benchmarks.md, issue 32)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # torch's count and its BLAS's, which are process-wide; the loop thread sets them back
-    lib().kvs_set_threads(1)
+    set_threads(1)
     return n
 
 
