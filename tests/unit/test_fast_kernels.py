@@ -141,6 +141,22 @@ def test_qlinear_row_gets_the_same_bits_in_any_batch(qtype: int) -> None:
     assert torch.equal(qlinear(x[perm], w), full[perm])
 
 
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K, Q8_0], ids=TYPE_NAMES.get)
+def test_rows_past_one_pass_equal_the_definition_and_the_same_rows_alone(qtype: int) -> None:
+    """Long inputs: the unpacked paths multiply a pass of rows at a time whose int8 rows fit L2 (qgemm.c pass_rows:
+    112 rows at K = 8,960, the 1.5B's down matrix), so 130 rows are two passes, the second 18 rows; row tiles and
+    the pass boundary must not change a row's value or its bits."""
+    k = 8960
+    w = random_blocks(qtype, 20, k, seed=qtype)
+    qw = QWeight.pack(w)
+    x = torch.randn(130, k, generator=torch.Generator().manual_seed(qtype))
+    got = qlinear(x, qw)
+    ref = qlinear_reference(x, w)
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    for lo, hi in [(110, 114), (111, 130), (0, 112), (112, 130)]:
+        assert torch.equal(qlinear(x[lo:hi], qw), got[lo:hi])
+
+
 _ISA_SCRIPT = """
 import json, sys, torch
 from kvseal.kernels import ops
