@@ -330,20 +330,17 @@ int kvs_qlinear_mat(const kvs_mat *mat, int64_t K, const float *x, int64_t M, fl
         int8_t *qt = (int8_t *)(bs32 + 2 * M * nb);
         float *dxt = (float *)(qt + M16 * K), *dxst = dxt + M16 * nb;
         int32_t *sx128 = (int32_t *)(dxst + M16 * nb), *bslo = sx128 + M16 * nb, *bshi = bslo + M16 * nb;
+#pragma omp parallel for schedule(static) if (M * K > 16384)
+        for (int64_t m = 0; m < M; m++)
+            quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb, dxs + m * nb, bs32 + 2 * m * nb);
         const qrows xr = {qx, dx, dxs, sx, bs32};
         const int isa = chosen_isa();
         const tiles ts = {mat, tile0, K};
         const int amx = isa == 4 && M >= AMX_FROM_ROWS;
         int unpacked = amx; /* does any tile run on unpacked tiles */
         for (int s = 0; s < mat->nseg; s++) unpacked |= isa >= 3 && !is_float(mat->type[s]) && M >= unpack_from(mat->type[s]);
-        /* each row quantized, then (unpacked paths) copied into its row tile by the thread that quantized it */
-#pragma omp parallel for schedule(static) if (M * K > 16384)
-        for (int64_t m = 0; m < (unpacked ? M16 : M); m++) {
-            if (m < M)
-                quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb, dxs + m * nb, bs32 + 2 * m * nb);
-            if (unpacked) kvs_qup_row(&xr, m, M, K, qt, dxt, dxst, sx128, bslo, bshi);
-        }
         const qtiles xt = {qt, dxt, dxst, sx128, bslo, bshi, nb};
+        if (unpacked) kvs_qup_rows(&xr, M, K, qt, dxt, dxst, sx128, bslo, bshi);
         const int64_t pass = unpacked ? pass_rows(K) : M;
         const tile_fn fn = isa >= 3 ? tile_avx512 : isa == 2 ? tile_avxvnni : tile_avx2;
         int failed = 0;

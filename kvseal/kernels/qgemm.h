@@ -34,8 +34,8 @@ typedef struct {
     int64_t nb;
 } qtiles;
 
-void kvs_qup_row(const qrows *xr, int64_t m, int64_t M, int64_t K, int8_t *qt, float *dxt, float *dxst,
-                 int32_t *sx128, int32_t *bslo, int32_t *bshi);
+void kvs_qup_rows(const qrows *xr, int64_t M, int64_t K, int8_t *qt, float *dxt, float *dxst, int32_t *sx128,
+                  int32_t *bslo, int32_t *bshi);
 int64_t kvs_qup_work_bytes(void);
 void kvs_qup_unpack(int type, const uint8_t *tile, int64_t nu, uint8_t *out, int vnni);
 void kvs_qup_tile(int amx, int type, const uint8_t *tile, int64_t K, const qtiles *x, int64_t m0, int64_t rows,

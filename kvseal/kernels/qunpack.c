@@ -7,7 +7,7 @@
  *                   row g = the 4 weights 4g..4g+3 of each column (VNNI's and AMX's operand layout), and the
  *                   block's float scales per column (D, M: the float32 products qtile.h forms; Q6_K: d and its two
  *                   integer half-block scales as floats).
- *  kvs_qup_row      one of x's quantized rows (qgemm.c) -> the qtiles layout.
+ *  kvs_qup_rows     x's quantized rows (qgemm.c) -> the qtiles layout.
  *  kvs_qup_tile     rows [m0, m0 + rows) of y for one packed tile: unpacked a chunk of K at a time into the calling
  *                   thread's work area (in L1), each chunk multiplied by every row tile of 16 rows, whose partial
  *                   sums wait in the work area between chunks (stored and loaded unchanged: each row's float steps
@@ -197,27 +197,27 @@ static void vnni_rows16(int type, const uint8_t *wb, int64_t nbc, const qtiles *
 }
 #pragma GCC pop_options
 
-/* Row m of x's quantized rows (xr: qtile.h's layout) -> its place in qtiles' layout; m in [M, M16): a zero
-   padding row of the last row tile. Rows are independent: the caller runs them in parallel, row m right after
-   quantizing it. */
-void kvs_qup_row(const qrows *xr, int64_t m, int64_t M, int64_t K, int8_t *qt, float *dxt, float *dxst,
-                 int32_t *sx128, int32_t *bslo, int32_t *bshi) {
-    const int64_t nb = K / QK;
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t i = (m / 16 * nb + b) * 16 + m % 16, j = m * nb + b;
-        if (m < M) {
-            memcpy(qt + i * 32, xr->qx + m * K + b * QK, QK);
-            dxt[i] = xr->dx[j];
-            dxst[i] = xr->dxs[j];
-            sx128[i] = 128 * xr->sx[j];
-            bslo[i] = xr->bs32[2 * j];
-            bshi[i] = xr->bs32[2 * j + 1];
-        } else {
-            memset(qt + i * 32, 0, QK);
-            dxt[i] = dxst[i] = 0.0f;
-            sx128[i] = bslo[i] = bshi[i] = 0;
+/* x's quantized rows, row by row (xr: qtile.h's layout) -> qtiles' layout, whole row tiles (padding rows zero) */
+void kvs_qup_rows(const qrows *xr, int64_t M, int64_t K, int8_t *qt, float *dxt, float *dxst, int32_t *sx128,
+                      int32_t *bslo, int32_t *bshi) {
+    const int64_t nb = K / QK, M16 = (M + 15) / 16 * 16;
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+    for (int64_t m = 0; m < M16; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t i = (m / 16 * nb + b) * 16 + m % 16, j = m * nb + b;
+            if (m < M) {
+                memcpy(qt + i * 32, xr->qx + m * K + b * QK, QK);
+                dxt[i] = xr->dx[j];
+                dxst[i] = xr->dxs[j];
+                sx128[i] = 128 * xr->sx[j];
+                bslo[i] = xr->bs32[2 * j];
+                bshi[i] = xr->bs32[2 * j + 1];
+            } else {
+                memset(qt + i * 32, 0, QK);
+                dxt[i] = dxst[i] = 0.0f;
+                sx128[i] = bslo[i] = bshi[i] = 0;
+            }
         }
-    }
 }
 
 /* Units (blocks of 32, or super-blocks of 256) unpacked at a time: the whole tile when it unpacks into at most
