@@ -13,7 +13,8 @@ change with the kernels (the arithmetic's bits). Imports only kvseal, so it can 
 package (PYTHONPATH=that checkout).
 
 --perf FILE records the whole run's second pass (prefill of S x --prompt-len, then the decode steps; with a short
-prompt, decode steps almost only) with `perf record -g` on this process, for `perf report -i FILE`.
+prompt, decode steps almost only) with `perf record -g` on this process, then prints its CPU samples by part of
+the step (PARTS: the products, barrier waits, attention, SwiGLU, sampling, ...; `perf report -i FILE` for the rest).
 """
 
 from __future__ import annotations
@@ -22,11 +23,41 @@ import argparse
 import hashlib
 import os
 import random
+import re
 import signal
 import subprocess
 import time
 
 import torch
+
+# (part of a step, how a perf sample's shared object and symbol name it), first match wins
+PARTS = (
+    ("products: the multiply", "libkvseal", ("vnni_rows16", "qamx_rows16", "tile_avx", "qvec")),
+    ("products: unpacking tiles", "libkvseal", ("qup_unpack",)),
+    ("products: x quantized and laid out, dispatch", "libkvseal", ("qlinear_mat", "qup_", "tile_at")),
+    ("attention", "libkvseal", ("attend", "attention")),
+    ("SwiGLU", "libkvseal", ("silu",)),
+    ("norms, RoPE, KV writes, the C forward", "libkvseal", ("",)),
+    ("a thread waiting at a barrier (libgomp)", "libgomp", ("",)),
+    ("sampling (torch argmax)", "libtorch", ("argmax",)),
+    ("torch, other (embedding rows, ...)", "libtorch", ("",)),
+    ("Python", "python", ("",)),
+)
+
+
+def perf_parts(path: str) -> dict[str, float]:
+    """Shares of a perf recording's samples by PARTS (the rest: "other")."""
+    report = subprocess.run(["perf", "report", "-i", path, "--no-children", "--sort", "dso,sym", "--stdio", "-g",
+                             "none"], capture_output=True, text=True, check=True).stdout
+    shares: dict[str, float] = {}
+    for line in report.splitlines():
+        m = re.match(r"\s*([\d.]+)%\s+(\S+)\s+\[.\]\s+(.*)", line)
+        if not m:
+            continue
+        share, dso, sym = float(m[1]), m[2], m[3]
+        part = next((name for name, lib, syms in PARTS if lib in dso and any(k in sym for k in syms)), "other")
+        shares[part] = shares.get(part, 0.0) + share
+    return shares
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
           f"({s * n_in / pre:.1f} tok/CPU-s); decode {n_out} steps x {s} streams {dec:.1f} CPU s "
           f"({s * n_out / dec:.1f} tok/CPU-s, {dec / n_out * 1e3:.0f} CPU ms/step, {dec_wall / n_out * 1e3:.0f} wall "
           f"ms/step); tokens {digest}")
+    if a.perf:
+        for part, share in sorted(perf_parts(a.perf).items(), key=lambda kv: -kv[1]):
+            print(f"  {share:5.1f}%  {part}")
     return 0
 
 
