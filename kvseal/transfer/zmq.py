@@ -129,10 +129,11 @@ class ZmqTransport(Transport):
             tag = [mac.tag([header, *frames])] if mac is not None else []
             # Whole multipart messages are queued atomically: NOBLOCK fails before any part goes, or not at all.
             sock.send_multipart([header, *frames, *tag], flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+        except zmq.Again:  # no pipe with room: the queue is full, or the handshake failed (the pipe is gone)
             self._done[handle.transfer_id] = failed(
-                f"KV transfer of request {manifest.request_id!r} to {endpoint}: the send queue is full "
-                f"({self._hwm} transfers); the decode worker is not reading")
+                f"KV transfer of request {manifest.request_id!r} to {endpoint} could not be queued: either "
+                f"{self._hwm} transfers wait unread (the decode worker is not reading) or the receiver failed "
+                f"the handshake (it does not hold the key this worker pins)")
         except (zmq.ZMQError, PermissionError, ValueError) as e:  # ValueError: an unreadable allow-list
             self._done[handle.transfer_id] = failed(
                 f"KV transfer of request {manifest.request_id!r} to {endpoint} could not be sent: {e}")
