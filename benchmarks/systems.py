@@ -32,18 +32,22 @@ SYSTEMS: dict[str, str] = {
     "llama-cpp-python": "llama-cpp-python (1 request at a time)",
     "kvseal-disagg-nokeys": "kvseal disagg 1P+1D --fleet-keys off",
     "kvseal-disagg-curve": "kvseal disagg 1P+1D --kv-channel curve",
+    "kvseal-disagg-nolend": "kvseal disagg 1P+1D --no-lend-cores",
 }
 # llama-cpp-python's server serves one request at a time: not a peer anyone deploys for concurrency, so it
 # runs only when named; so do the fleet-key variants of kvseal-disagg (what the keys cost, docs/benchmarks.md) and
-# kvseal without drafts (one stream at the bandwidth limit, against a peer that does not draft either).
+# kvseal without drafts (one stream at the bandwidth limit, against a peer that does not draft either), and the
+# fleet whose workers keep to their own cores (what lending idle cores gains, docs/benchmarks.md).
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in ("llama-cpp-python", "kvseal-disagg-nokeys",
-                                                         "kvseal-disagg-curve", "kvseal-nospec"))
+                                                         "kvseal-disagg-curve", "kvseal-nospec",
+                                                         "kvseal-disagg-nolend"))
 KVSEAL_MODES = {"kvseal": ("--unified",), "kvseal-disagg": ("--prefill", "1", "--decode", "1"),
                 "kvseal-exact": ("--unified", "--arithmetic", "exact"),
                 "kvseal-torch": ("--unified", "--kernels", "torch"),
                 "kvseal-nospec": ("--unified", "--speculative", "off"),
                 "kvseal-disagg-nokeys": ("--prefill", "1", "--decode", "1", "--fleet-keys", "off"),
-                "kvseal-disagg-curve": ("--prefill", "1", "--decode", "1", "--kv-channel", "curve")}
+                "kvseal-disagg-curve": ("--prefill", "1", "--decode", "1", "--kv-channel", "curve"),
+                "kvseal-disagg-nolend": ("--prefill", "1", "--decode", "1", "--no-lend-cores")}
 
 
 def default_peers_dir() -> str:

@@ -166,6 +166,12 @@ class ServeConfig:
     prefill_threads: int | None = opt(None, "CPU threads per prefill worker (default: --threads, else the cores "
                                       "split evenly among the workers)")
     decode_threads: int | None = opt(None, "CPU threads per decode worker (default: as --prefill-threads)")
+    # worker/cores.py: a worker with work steps on its own threads plus those of the workers with none
+    lend_cores: bool = opt(True, "keep each worker on its own threads; by default a worker with work borrows the "
+                           "threads of the workers on this host that have none (a lone long prompt is prefilled on "
+                           "every core), and gives them back at its next step once their owner has work again. "
+                           "Only with the fast arithmetic, whose results do not depend on the thread count",
+                           flag="--no-lend-cores", action="store_false", dest="lend_cores")
 
     def __post_init__(self) -> None:
         _need(self.prefill >= 1, "prefill", self.prefill, "give at least 1 prefill worker")

@@ -20,6 +20,7 @@ import msgspec
 
 from kvseal.auth.keys import MemberKeys, fresh_member
 from kvseal.wire import protocol as P
+from kvseal.worker.cores import LendSpec, new_table
 
 if TYPE_CHECKING:
     from kvseal.worker.run import WorkerSpec
@@ -37,7 +38,9 @@ class Fleet:
     """Each worker is `python -m kvseal.worker.run` with its WorkerSpec (JSON) on stdin, on a loopback port."""
 
     def __init__(self, prefill: WorkerSpec, decode: WorkerSpec, num_prefill: int, num_decode: int,
-                 router_keys: MemberKeys | None = None) -> None:
+                 router_keys: MemberKeys | None = None, lend_cores: int | None = None) -> None:
+        """lend_cores: this host's cores, for the workers to lend each other the home shares of those with no work
+        (worker/cores.py); None: each steps on its own threads only."""
         if num_prefill < 1 or num_decode < 1:
             raise ValueError(f"invalid --prefill {num_prefill} / --decode {num_decode}: give at least 1 of each")
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -52,6 +55,10 @@ class Fleet:
             # the router's folder allow-list (serve --fleet-keys DIR), if any, admits workers that join later
             members = [msgspec.structs.replace(m, allowed_dir=router_keys.allowed_dir).with_allowed(fleet)
                        for m in members]
+        homes = (*[prefill.worker.threads or lend_cores or 1] * num_prefill,
+                 *[decode.worker.threads or lend_cores or 1] * num_decode)
+        table = new_table(len(homes)) if lend_cores is not None else None
+        slots = iter(range(len(homes)))
         for spec, n, eps in ((prefill, num_prefill, self.prefill_endpoints),
                              (decode, num_decode, self.decode_endpoints)):
             for _ in range(n):
@@ -62,12 +69,19 @@ class Fleet:
                     mine = msgspec.structs.replace(mine, keys=members.pop())
                     assert mine.keys is not None
                     self.server_keys[eps[-1]] = mine.keys.public
+                slot = next(slots)
+                if table is not None and lend_cores is not None:
+                    mine = msgspec.structs.replace(mine, lend=LendSpec(
+                        path=f"/proc/self/fd/{table}", slot=slot, homes=homes, cores=lend_cores))
                 proc = subprocess.Popen([sys.executable, "-m", "kvseal.worker.run"], stdin=subprocess.PIPE,
-                                        env={**os.environ, P.LAUNCHER_PID_ENV: str(os.getpid())})
+                                        env={**os.environ, P.LAUNCHER_PID_ENV: str(os.getpid())},
+                                        pass_fds=() if table is None else (table,))
                 self.procs.append(proc)
                 assert proc.stdin is not None
                 proc.stdin.write(msgspec.json.encode(mine))
                 proc.stdin.close()
+        if table is not None:
+            os.close(table)  # each worker holds it now (its own copy of the descriptor, opened again as its own)
 
     def __enter__(self) -> Self:
         return self

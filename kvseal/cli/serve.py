@@ -67,10 +67,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     serve, rcfg = config_from_args(ServeConfig, a), config_from_args(RouterConfig, a)
     keys = member_keys(a, "router")  # fresh unless --fleet-keys DIR or off
     fleet_host(rcfg, scfg, keys)
-    prefill_spec, decode_spec = worker_specs(a, os.cpu_count() or 1)
+    cores = os.cpu_count() or 1
+    prefill_spec, decode_spec = worker_specs(a, cores)
     embed = embed_side(a, keys)  # a folder it cannot embed with stops the start before any worker does
     try:
-        with Fleet(prefill_spec, decode_spec, serve.prefill, serve.decode, keys) as fleet:
+        with Fleet(prefill_spec, decode_spec, serve.prefill, serve.decode, keys,
+                   cores if serve.lend_cores else None) as fleet:
             return run_router(a, scfg, fleet.prefill_endpoints, fleet.decode_endpoints, template,
                               fleet.router_keys, fleet.server_keys, embed)
     finally:

@@ -122,6 +122,9 @@ class EngineCollector(Collector):
                                   value=c.get("frames_refused", 0))
         yield CounterMetricFamily("kvseal:requests_received", "Requests this worker received",
                                   value=c.get("requests_received", 0))
+        yield CounterMetricFamily("kvseal:steps_on_lent_cores", "Engine steps run with the cores of idle workers "
+                                  "on this host beside this worker's own (worker/cores.py)",
+                                  value=c.get("steps_on_lent_cores", 0))
         figures = self.kv_figures()
         for key, doc in KV_FIGURES.items():
             if key in figures:

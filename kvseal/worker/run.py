@@ -21,6 +21,7 @@ from kvseal.auth.options import peer_endpoint
 from kvseal.config import EngineConfig
 from kvseal.config_fleet import ProcessConfig, TransportConfig, WorkerConfig
 from kvseal.wire.roles import Role
+from kvseal.worker.cores import LendSpec
 
 SPEC_VERSION = 2  # 2: the worker's, transport's and process's settings are their config objects
 
@@ -36,6 +37,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     # fleet keys: this worker's keypair and allow-list (kvseal/auth); None: plain ZeroMQ, loopback only
     keys: MemberKeys | None = None
     router_key: str | None = None  # with worker.router and keys: the router's public key, pinned by the join
+    lend: LendSpec | None = None  # `kvseal serve`'s workers: their place in the host's core-lending table
     v: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
@@ -91,6 +93,11 @@ def run_worker(spec: WorkerSpec) -> int:
             "metrics on %s (per-tenant figures: %s)", server.metrics.serve(w.host, w.metrics_port,
                                                                              spec.metrics_token_sha256),
             "with the metrics token" if spec.metrics_token_sha256 else "off, no --metrics-token-file")
+    if spec.lend is not None:
+        from kvseal.worker.cores import CoreLending
+
+        # only the fast arithmetic computes the same bits on any number of threads (tests/e2e/test_lent_cores.py)
+        server.lending = CoreLending(spec.lend, share=server.engine.arithmetic.fast)
     if w.router:
         port = server.endpoint.rsplit(":", 1)[1]
         server.join = Registrations(server.ctx, peer_endpoint(w.router), spec.role,

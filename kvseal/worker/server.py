@@ -33,6 +33,7 @@ from kvseal.wire import protocol as P
 from kvseal.wire.card import WorkerCard
 from kvseal.wire.messages import GenerateDelta
 from kvseal.wire.roles import Role
+from kvseal.worker.cores import CoreLending
 from kvseal.worker.join import EXIT_REFUSED, Registrations
 from kvseal.worker.outbox import Outbox
 
@@ -71,12 +72,15 @@ class WorkerServer:
         self.draining_since: float | None = None
         self._drain_asked: str | None = None
         self.join: Registrations | None = None  # set when started with --router
+        self.lending: CoreLending | None = None  # set for `kvseal serve`'s workers: idle siblings' cores (cores.py)
+        self._threads: int | None = None  # the threads of the last step with lending (None: the start's)
         # set by `kvseal serve` (launch.Fleet) for the workers it starts: never outlive that process, even one
         # that died while this worker was still loading its model. A worker started on its own has no parent.
         launcher = os.environ.get(P.LAUNCHER_PID_ENV)
         self._parent = int(launcher) if launcher else None
         self.counters: dict[str, int] = {"kv_bytes_sent": 0, "kv_bytes_received": 0, "transfers_acked": 0,
-                                         "transfers_refused": 0, "requests_received": 0, "frames_refused": 0}
+                                         "transfers_refused": 0, "requests_received": 0, "frames_refused": 0,
+                                         "steps_on_lent_cores": 0}
         self.verification_failures: dict[str, int] = {}  # decode: refused handoffs by manifest field (seal 4)
         self.metrics = WorkerMetrics(EngineCollector(engine, self.counters, self.verification_failures,
                                                      self.queued, {"test_faults": hooks.spec,
@@ -166,17 +170,39 @@ class WorkerServer:
             self.route(self.engine.take_addressed())  # e.g. a first token that arrived with its KV: not after a step
             if self.engine.has_work():
                 try:
+                    self._step_threads()
                     self.engine.advance()
                 except Exception:
                     log.exception("engine step failed; failing its requests")
                     self.engine.fail_all(InternalError("the engine failed while running this request"))
                 self.route(self.engine.take_addressed())
+            elif self.lending is not None:
+                self.lending.idle()  # no work: its cores may serve a sibling's steps
             for ident in self.outbox.flush():
                 self._router_left(ident)
             if self.draining_since is not None and self._drained():
                 break
         self.close()
         return self.exit_code
+
+    def _step_threads(self) -> None:
+        """With lending: this step runs on the worker's own share of the cores plus those of siblings with no work.
+        The thread count changes no result: every product and attention row is computed in the same order on any
+        number of threads (the fast arithmetic's batch invariance)."""
+        if self.lending is None:
+            return
+        n = self.lending.take()
+        if n != self._threads:
+            import torch
+
+            torch.set_num_threads(n)
+            if self.engine.kernels == "native":
+                from kvseal.kernels.ops import set_threads
+
+                set_threads(n)  # OpenMP's count is per thread and the kernels' runtime is not torch's
+            self._threads = n
+        if n > self.lending.home:
+            self.counters["steps_on_lent_cores"] += 1
 
     def _router_left(self, ident: bytes) -> None:
         """A router is gone (the outbox gave up on it): it hears nothing more, and its requests here end."""
@@ -231,6 +257,8 @@ class WorkerServer:
     def close(self) -> None:
         if self.join is not None:
             self.join.close()
+        if self.lending is not None:
+            self.lending.close()
         self.ctrl.close(0)
         if self.zap is not None:
             self.zap.stop()
