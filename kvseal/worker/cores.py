@@ -4,14 +4,16 @@ Each worker has a home share of the host's cores: its threads (the cores split e
 flags). A worker with work borrows the home cores of every sibling that has none, so a lone long prompt is prefilled
 on every core and a lone stream decodes on every core, while under load (every worker busy) each keeps its own
 share and no two workers spin on one core. A lender that gets work again takes its cores back at once; the borrower
-gives them up at its next step, so for at most one step of the borrower the host runs more threads than cores.
+gives them up at its next step, so for at most one step of the borrower the host runs more threads than cores. A
+worker borrows only cores that no busy worker uses (the threads in use are in the table): where the home shares
+already add up to more than the cores (`--threads`, or more workers than cores), lending adds no thread.
 
-The table is 2 bytes a worker, (busy, lent to), in a memfd that launch.Fleet made and handed to each worker
-(`LendSpec.path`, its /proc/self/fd path, opened again by each so each holds its own file description). Every read and
-write of the table happens under an exclusive POSIX record lock (one process at a time), so a core is never lent to
-two workers, and a worker that dies releases the lock with its process. A dead worker's slot keeps what it last
-said: its own cores stay unlent if it died busy, and cores it had borrowed go back to their owners when they next
-have work (a lender always takes its cores back).
+The table is 4 bytes a worker (busy, lent to, threads in use) in a memfd that launch.Fleet made and handed to each
+worker (`LendSpec.path`: its /proc/self/fd path, which each opens again to hold a file description of its own).
+Every read and write of the table happens under an exclusive POSIX record lock (one process at a time), so a core
+is never lent to two workers, and a worker that dies releases the lock with its process. A dead worker's slot keeps
+what it last said: if it died busy its threads stay counted as in use and its cores are never lent; cores it had
+borrowed go back to their owners when they next have work (a lender always takes its cores back).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import msgspec
 
 IDLE, BUSY = 0, 1
 NOBODY = 0  # lent-to byte: 0 nobody, else the borrower's slot + 1
+REC = 4  # bytes a worker: busy, lent to, threads in use (uint16, little-endian)
 
 
 class LendSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,7 +48,7 @@ class LendSpec(msgspec.Struct, frozen=True, kw_only=True):
 def new_table(workers: int) -> int:
     """A zeroed table for `workers` workers (all idle, nothing lent): a memfd, inheritable by children."""
     fd = os.memfd_create("kvseal-cores", 0)  # 0: no MFD_CLOEXEC, so Popen(pass_fds=) can hand it down
-    os.ftruncate(fd, 2 * workers)
+    os.ftruncate(fd, REC * workers)
     return fd
 
 
@@ -72,31 +75,34 @@ class CoreLending:
             self._fd = -1
 
     def _update(self, busy: bool, borrow: bool = True) -> int:
-        """Under the lock: mark this worker busy or idle, reclaim or return cores; the threads it may use now."""
-        n, me = len(self.spec.homes), self.spec.slot
+        """Under the lock: mark this worker busy or idle, give back what it borrowed, and (busy) borrow the home
+        shares of idle siblings while the host has cores that no busy worker uses; the threads it may use now."""
+        n, me, homes = len(self.spec.homes), self.spec.slot, self.spec.homes
         fcntl.lockf(self._fd, fcntl.LOCK_EX)
         try:
-            t = bytearray(os.pread(self._fd, 2 * n, 0))
-            state, lent = t[0::2], t[1::2]
-            state[me] = BUSY if busy else IDLE
-            lent[me] = NOBODY  # busy: its own cores are its own again; idle: it lends from now on, to whoever asks
-            threads = self.home
+            t = bytearray(os.pread(self._fd, REC * n, 0))
+            rec = [t[REC * j:REC * j + REC] for j in range(n)]
             for j in range(n):
-                if j == me:
-                    continue
-                if not busy and lent[j] == me + 1:
-                    lent[j] = NOBODY  # idle: it gives back what it borrowed
-                elif busy and borrow and state[j] == IDLE and lent[j] in (NOBODY, me + 1):
-                    lent[j] = me + 1  # a sibling with no work: its home cores are this worker's for this step
-                    threads += self.spec.homes[j]
-                elif lent[j] == me + 1:
-                    lent[j] = NOBODY  # its owner is busy again (it reclaimed them): returned
-            t[0::2], t[1::2] = state, lent
-            os.pwrite(self._fd, bytes(t), 0)
+                if j != me and rec[j][1] == me + 1:
+                    rec[j][1] = NOBODY  # what it borrowed for its last step goes back first
+            rec[me][1] = NOBODY  # busy: its own cores are its own again at once; idle: free to lend
+            threads = self.home if busy else 0
+            if busy and borrow:
+                used = sum(int.from_bytes(rec[j][2:4], "little") for j in range(n) if j != me and rec[j][0] == BUSY)
+                room = max(self.home, self.spec.cores - used)  # never below its own share
+                for j in range(n):
+                    if threads >= room:
+                        break
+                    if j != me and rec[j][0] == IDLE and rec[j][1] == NOBODY:
+                        rec[j][1] = me + 1  # a sibling with no work: its cores are this worker's for this step
+                        threads = min(threads + homes[j], room)
+            rec[me][0] = BUSY if busy else IDLE
+            rec[me][2:4] = threads.to_bytes(2, "little")
+            os.pwrite(self._fd, b"".join(rec), 0)
         finally:
             fcntl.lockf(self._fd, fcntl.LOCK_UN)
         self._busy = busy
-        return min(threads, self.spec.cores)
+        return threads
 
     def take(self) -> int:
         """Before a step: this worker has work; the threads it may step on (its home share plus idle siblings')."""
@@ -107,12 +113,12 @@ class CoreLending:
         if self._busy and self.share:
             self._update(False)
 
-    def table(self) -> list[tuple[int, int]]:
-        """(busy, lent to) of every slot, under the lock: what tests and /info read."""
+    def table(self) -> list[tuple[int, int, int]]:
+        """(busy, lent to, threads in use) of every slot, read under the lock: what the tests read."""
         n = len(self.spec.homes)
         fcntl.lockf(self._fd, fcntl.LOCK_EX)
         try:
-            t = os.pread(self._fd, 2 * n, 0)
+            t = os.pread(self._fd, REC * n, 0)
         finally:
             fcntl.lockf(self._fd, fcntl.LOCK_UN)
-        return [(t[2 * j], t[2 * j + 1]) for j in range(n)]
+        return [(t[REC * j], t[REC * j + 1], int.from_bytes(t[REC * j + 2:REC * j + 4], "little")) for j in range(n)]
