@@ -15,7 +15,7 @@ from tests.helpers.procs import Server, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e]
 MODEL = "SmolLM2-135M-Instruct"
-ARGS = ["--max-model-len", "2048", "--kv-pool-tokens", "8192"]
+ARGS = ["--max-model-len", "2048", "--kv-pool-tokens", "8192"]  # LONG + 300 tokens fit
 
 
 def _lent(s: Server) -> dict[str, int]:
@@ -36,7 +36,7 @@ def test_a_lone_request_steps_on_lent_cores_and_none_are_borrowed_from_a_busy_de
     s = Server(ARGS).ready(300)
     try:
         assert _lent(s) == {"prefill": 0, "decode": 0}
-        alone = _ask(s, LONG, 16)
+        alone = _ask(s, LONG, 300)  # decode outlasts LEND_AFTER_S: prefill's core is lent to it then
         lent = _lent(s)
         assert lent["prefill"] >= 1 and lent["decode"] >= 1, lent  # each borrowed the other's idle core
         # decode streams a long request; a prompt prefilled meanwhile steps on prefill's own core only
@@ -63,7 +63,7 @@ def test_a_lone_request_steps_on_lent_cores_and_none_are_borrowed_from_a_busy_de
         finally:
             t.join(300)
         assert alone.startswith(again)  # the first token prefilled on prefill's own core: the same
-        assert _ask(s, LONG, 16) == alone  # the same greedy tokens with and without lent cores
+        assert alone.startswith(_ask(s, LONG, 16))  # the same greedy tokens on lent cores or not
     finally:
         s.stop()
 

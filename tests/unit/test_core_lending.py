@@ -13,15 +13,27 @@ from typing import Any
 
 import pytest
 
-from kvseal.worker.cores import BUSY, IDLE, REC, CoreLending, LendSpec, new_table
+from kvseal.worker.cores import BUSY, IDLE, LEND_AFTER_S, REC, CoreLending, LendSpec, new_table
 
 
-def _table(tmp_path: Path, homes: tuple[int, ...], cores: int, share: tuple[bool, ...] | None = None
-           ) -> list[CoreLending]:
+class Clock:
+    """The table's clock, moved by the test: each call moves it past LEND_AFTER_S unless frozen."""
+
+    def __init__(self) -> None:
+        self.now, self.step = 100.0, LEND_AFTER_S
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def _table(tmp_path: Path, homes: tuple[int, ...], cores: int, share: tuple[bool, ...] | None = None,
+           clock: Clock | None = None) -> list[CoreLending]:
     path = tmp_path / "cores"
     path.write_bytes(bytes(REC * len(homes)))
+    clock = clock or Clock()  # one clock for the host, as CLOCK_MONOTONIC is
     return [CoreLending(LendSpec(path=str(path), slot=i, homes=homes, cores=cores),
-                        share=True if share is None else share[i]) for i in range(len(homes))]
+                        share=True if share is None else share[i], clock=clock) for i in range(len(homes))]
 
 
 def test_a_busy_worker_borrows_an_idle_siblings_cores_until_the_sibling_has_work(tmp_path: Path) -> None:
@@ -50,6 +62,19 @@ def test_a_core_is_lent_to_one_worker_at_a_time(tmp_path: Path) -> None:
     assert c.take() == 2  # b's core goes to whoever asks first once it is free
     assert a.take() == 2  # already lent to c
     assert [lent for _, lent, _ in a.table()] == [0, 3, 0]
+
+
+def test_cores_are_lent_only_after_their_owner_had_no_work_for_a_while(tmp_path: Path) -> None:
+    clock = Clock()
+    prefill, decode = _table(tmp_path, (1, 1), 2, clock=clock)
+    assert decode.take() == 2  # prefill never had work: lent from the start
+    prefill.take()
+    prefill.idle()
+    clock.step = LEND_AFTER_S / 10
+    assert decode.take() == 1  # prefill's gap so far is shorter than LEND_AFTER_S: a burst's gaps lend nothing
+    assert decode.take() == 1
+    clock.now += LEND_AFTER_S
+    assert decode.take() == 2  # idle long enough: its core is lent
 
 
 def test_no_step_runs_more_threads_than_the_host_has(tmp_path: Path) -> None:
