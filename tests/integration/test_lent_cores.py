@@ -36,11 +36,11 @@ def test_a_lone_request_steps_on_lent_cores_and_none_are_borrowed_from_a_busy_de
     s = Server(ARGS).ready(300)
     try:
         assert _lent(s) == {"prefill": 0, "decode": 0}
-        alone = _ask(s, LONG, 300)  # decode outlasts LEND_AFTER_S: prefill's core is lent to it then
+        alone = _ask(s, LONG, 200)  # decode outlasts LEND_AFTER_S: prefill's core is lent to it then
         lent = _lent(s)
         assert lent["prefill"] >= 1 and lent["decode"] >= 1, lent  # each borrowed the other's idle core
         # decode streams a long request; a prompt prefilled meanwhile steps on prefill's own core only
-        streaming, ended = threading.Event(), threading.Event()
+        streaming, ended, leave = threading.Event(), threading.Event(), threading.Event()
 
         def stream() -> None:
             with httpx.stream("POST", s.url + "/v1/completions", timeout=300, json={
@@ -50,6 +50,8 @@ def test_a_lone_request_steps_on_lent_cores_and_none_are_borrowed_from_a_busy_de
                 for n, _ in enumerate(r.iter_lines()):
                     if n == 3:
                         streaming.set()
+                    if leave.is_set():
+                        return  # the client leaves: the request is aborted, no need to decode the rest
             ended.set()
 
         t = threading.Thread(target=stream)
@@ -61,6 +63,7 @@ def test_a_lone_request_steps_on_lent_cores_and_none_are_borrowed_from_a_busy_de
             assert not ended.is_set(), "the stream ended before the prompt was prefilled: lengthen it"
             assert _lent(s)["prefill"] == before  # decode was busy throughout: nothing was lent to prefill
         finally:
+            leave.set()
             t.join(300)
         assert alone.startswith(again)  # the first token prefilled on prefill's own core: the same
         assert alone.startswith(_ask(s, LONG, 16))  # the same greedy tokens on lent cores or not
