@@ -18,6 +18,7 @@ import signal
 import time
 from typing import Any
 
+import torch
 import zmq
 
 from kvseal.auth.curve import as_server
@@ -193,8 +194,6 @@ class WorkerServer:
             return
         n = self.lending.take()
         if n != self._threads:
-            import torch
-
             torch.set_num_threads(n)
             if self.engine.kernels == "native":
                 from kvseal.kernels.ops import set_threads
